@@ -1,0 +1,317 @@
+"""Benchmark MSDA implementations on the canonical workloads.
+
+    python -m benchmarks.run                       # default: ddetr_enc + ddetr_dec
+    python -m benchmarks.run --full                # every workload, dtype and pass
+    python -m benchmarks.run --workloads ddetr_enc,seed --dtypes bf16 \\
+        --backends all --passes fwd,fwdbwd --out results/
+
+For every (workload, dtype, pass, implementation): median time, effective
+GB/s (fewest bytes / time), the ratio to the workload's floor (fewest bytes /
+the device-to-device copy rate measured in the same run) and the relative
+error against the float64 reference on the same inputs. Prints a table and
+writes bench.json and bench.png under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from typing import Dict, List
+
+import torch
+
+import ms_deform_attn as msda
+from ms_deform_attn import workloads as W
+from ms_deform_attn.reference import ms_deform_attn_pytorch
+
+from .timing import FP32_ONLY, PEERS, copy_bandwidth, implementations, time_cpu, time_cuda
+
+DTYPES = {  # name -> (value dtype, location / weight dtype)
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.float32),
+    "fp16": (torch.float16, torch.float32),
+}
+PASSES = ("fwd", "fwdbwd")
+DEFAULT_WORKLOADS = "ddetr_enc,ddetr_dec"
+CPU_SCALE = 4
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=None,
+                    help=f"comma list or 'all' (known: {', '.join(W.WORKLOADS)}); 'name/k' "
+                         f"scales a workload down by k. Default: {DEFAULT_WORKLOADS}")
+    ap.add_argument("--dtypes", default=None, help="comma list of fp32,bf16,fp16 (default fp32,bf16)")
+    ap.add_argument("--backends", default="all",
+                    help="'all' (our backends, the reference, installed peers), 'ours', or a "
+                         "comma list of names")
+    ap.add_argument("--passes", default="fwd,fwdbwd", help="comma list of fwd,fwdbwd")
+    ap.add_argument("--full", action="store_true", help="every workload, dtype and pass")
+    ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
+    ap.add_argument("--scale", type=int, default=None,
+                    help=f"shrink every workload by this factor (default 1 on CUDA, {CPU_SCALE} on CPU)")
+    ap.add_argument("--out", default="results", help="folder for bench.json and bench.png")
+    ap.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    ap.add_argument("--target-ms", type=float, default=300.0, help="timing budget per measurement")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        sha = subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,
+                                      stderr=subprocess.DEVNULL, text=True).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD", "--", ".."], cwd=here,
+                                stderr=subprocess.DEVNULL)
+        return sha + ("-dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def environment(device: str, copy_bw: float) -> Dict:
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "device": device,
+        "copy_bandwidth_GBps": copy_bw / 1e9,
+    }
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(device_name=props.name, sm_count=props.multi_processor_count,
+                   capability=f"{props.major}.{props.minor}",
+                   l2_bytes=getattr(props, "L2_cache_size", None))
+    else:
+        env.update(device_name=platform.processor() or platform.machine(),
+                   threads=torch.get_num_threads())
+    return env
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.detach().double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def n_rotating_sets(inputs_bytes: int, device: str) -> int:
+    """Input sets to rotate through so that repeated runs do not hit in L2."""
+    if device != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20) or (50 << 20)
+    return max(1, min(8, math.ceil(3 * l2 / max(inputs_bytes, 1))))
+
+
+def measure(args) -> Dict:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    scale = args.scale if args.scale is not None else (1 if device == "cuda" else CPU_SCALE)
+    if args.full:
+        wl_names, dtypes, passes = list(W.WORKLOADS), list(DTYPES), list(PASSES)
+    else:
+        wl_names = (args.workloads or DEFAULT_WORKLOADS).split(",")
+        if wl_names == ["all"]:
+            wl_names = list(W.WORKLOADS)
+        dtypes = (args.dtypes or "fp32,bf16").split(",")
+        passes = args.passes.split(",")
+    for d in dtypes:
+        if d not in DTYPES:
+            sys.exit(f"unknown dtype {d!r}; expected one of {', '.join(DTYPES)}")
+    for p in passes:
+        if p not in PASSES:
+            sys.exit(f"unknown pass {p!r}; expected one of {', '.join(PASSES)}")
+    workloads = [W.get(n).scaled(scale) for n in wl_names]
+
+    ours = msda.available_backends(device)
+    if args.backends == "all":
+        names = ours + ["reference"] + list(PEERS)
+    elif args.backends == "ours":
+        names = ours
+    else:
+        names = args.backends.split(",")
+    impls, notes = implementations(device, names)
+
+    copy_bw = copy_bandwidth(device)
+    env = environment(device, copy_bw)
+    rows: List[Dict] = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress bar is optional
+        def tqdm(x, **_):
+            return x
+    combos = [(wl, d) for wl in workloads for d in dtypes]
+    bar = tqdm(combos, desc="bench", file=sys.stderr, disable=not sys.stderr.isatty())
+    for wl, dname in bar:
+        dtype, loc_dtype = DTYPES[dname]
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"{wl.name} {dname}")
+        rows.extend(bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw,
+                              args, notes))
+    return {"env": env, "notes": notes, "rows": rows}
+
+
+def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args, notes):
+    base = W.make_inputs(wl, dtype, loc_dtype, device=device, seed=args.seed)
+    in_bytes = sum(t.numel() * t.element_size() for t in base)
+    n_sets = n_rotating_sets(in_bytes, device)
+    sets = [base] + [W.make_inputs(wl, dtype, loc_dtype, device=device, seed=args.seed + i)
+                     for i in range(1, n_sets)]
+    for s in sets:
+        for i in (0, 3, 4):
+            s[i].requires_grad_()
+    value, shapes, start, loc, attn = base
+    grad_out = torch.randn(wl.n, wl.queries, wl.m * wl.d, device=device, dtype=dtype,
+                           generator=None)
+
+    # float64 reference on set 0: output and gradients.
+    ref_in = [value.detach().double().requires_grad_(), shapes, start,
+              loc.detach().double().requires_grad_(), attn.detach().double().requires_grad_()]
+    ref_out = ms_deform_attn_pytorch(*ref_in)
+    ref_grads = None
+    if "fwdbwd" in passes:
+        ref_grads = torch.autograd.grad(ref_out, (ref_in[0], ref_in[3], ref_in[4]),
+                                        grad_out.double())
+    ref_out = ref_out.detach()
+    del ref_in
+
+    rows = []
+    choice = msda.select_backend(*[t.detach() for t in base])
+    for name, fn in impls.items():
+        if name in FP32_ONLY and dtype != torch.float32:
+            continue
+        for pas in passes:
+            row = dict(workload=wl.name, dtype=dname, impl=name, pass_=pas,
+                       auto_choice=choice, sets=n_sets)
+            try:
+                if pas == "fwd":
+                    with torch.no_grad():
+                        out = fn(*[t.detach() for t in base])
+                    row["rel_err"] = rel_err(out, ref_out)
+                    del out
+
+                    def step(i, fn=fn):
+                        with torch.no_grad():
+                            return fn(*sets[i])
+                else:
+                    out = fn(*base)
+                    grads = torch.autograd.grad(out, (value, loc, attn), grad_out)
+                    row["rel_err"] = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
+                    row["rel_err_by_input"] = [rel_err(g, r) for g, r in zip(grads, ref_grads)]
+                    del out, grads
+
+                    def step(i, fn=fn):
+                        s = sets[i]
+                        o = fn(*s)
+                        return torch.autograd.grad(o, (s[0], s[3], s[4]), grad_out)
+
+                if device == "cuda":
+                    t, method, reps = time_cuda(step, n_sets, use_graph=name in msda.available_backends("cuda"),
+                                                target_ms=args.target_ms)
+                else:
+                    t, method, reps = time_cpu(step, n_sets, target_s=args.target_ms / 1e3)
+            except Exception as exc:
+                notes.append(f"{name} {wl.name} {dname} {pas} failed: {type(exc).__name__}: {exc}")
+                continue
+            fb = W.floor_bytes(wl, dtype, loc_dtype, backward=(pas == "fwdbwd"))
+            floor_us = fb / copy_bw * 1e6
+            row.update(time_us=t, method=method, reps=reps, floor_bytes=fb, floor_us=floor_us,
+                       GBps=fb / (t * 1e-6) / 1e9, x_floor=t / floor_us)
+            rows.append(row)
+    # Backward time derived as (fwd + bwd) - fwd of the same implementation.
+    by_key = {(r["impl"], r["pass_"]): r for r in rows}
+    for r in rows:
+        f = by_key.get((r["impl"], "fwd"))
+        if r["pass_"] == "fwdbwd" and f is not None:
+            r["bwd_us"] = r["time_us"] - f["time_us"]
+    return rows
+
+
+def fmt_table(result: Dict) -> str:
+    env = result["env"]
+    lines = [
+        f"device: {env.get('device_name')} | torch {env['torch']} | CUDA {env['cuda']} | "
+        f"commit {env['commit']} | {env['date']} | copy {env['copy_bandwidth_GBps']:.0f} GB/s",
+        "",
+        "| workload | dtype | pass | impl | time (us) | bwd (us) | GB/s | x floor | rel. error |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        bwd = f"{r['bwd_us']:.1f}" if "bwd_us" in r else ""
+        lines.append(
+            f"| {r['workload']} | {r['dtype']} | {r['pass_']} | {r['impl']} | {r['time_us']:.1f} | "
+            f"{bwd} | {r['GBps']:.0f} | {r['x_floor']:.1f} | {r['rel_err']:.1e} |")
+    for n in result["notes"]:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def plot(result: Dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    rows = result["rows"]
+    dtypes = sorted({r["dtype"] for r in rows}, key=list(DTYPES).index)
+    passes = [p for p in PASSES if any(r["pass_"] == p for r in rows)]
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fig, axes = plt.subplots(len(passes), len(dtypes), squeeze=False,
+                             figsize=(max(6, 1.6 * len(workloads)) * len(dtypes), 4 * len(passes)))
+    width = 0.8 / max(1, len(impls))
+    for pi, pas in enumerate(passes):
+        for di, dn in enumerate(dtypes):
+            ax = axes[pi][di]
+            for ii, impl in enumerate(impls):
+                xs, ys = [], []
+                for wi, wl in enumerate(workloads):
+                    for r in rows:
+                        if (r["workload"], r["dtype"], r["pass_"], r["impl"]) == (wl, dn, pas, impl):
+                            xs.append(wi + (ii - (len(impls) - 1) / 2) * width)
+                            ys.append(r["time_us"])
+                ax.bar(xs, ys, width, label=impl)
+            for wi, wl in enumerate(workloads):
+                fl = [r["floor_us"] for r in rows if (r["workload"], r["dtype"], r["pass_"]) == (wl, dn, pas)]
+                if fl:
+                    ax.hlines(fl[0], wi - 0.45, wi + 0.45, colors="black", linestyles="dashed",
+                              label="floor" if wi == 0 else None)
+            ax.set_yscale("log")
+            ax.set_xticks(range(len(workloads)))
+            ax.set_xticklabels(workloads, rotation=30, ha="right")
+            ax.set_ylabel("time (us, log)")
+            ax.set_title(f"{pas} {dn}")
+            ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    env = result["env"]
+    fig.suptitle(f"ms_deform_attn on {env.get('device_name')} ({env['commit']}, {env['date'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = measure(args)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(fmt_table(result))
+    if not args.no_plot and result["rows"]:
+        if plot(result, os.path.join(args.out, "bench.png")):
+            print(f"wrote {os.path.join(args.out, 'bench.png')}")
+    print(f"wrote {os.path.join(args.out, 'bench.json')}")
+    return 0 if result["rows"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

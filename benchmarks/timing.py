@@ -1,0 +1,160 @@
+"""Timers and the implementations under test (ours, the reference, peers)."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import ms_deform_attn as msda
+from ms_deform_attn.reference import ms_deform_attn_pytorch
+
+Inputs = Sequence[torch.Tensor]  # value, spatial_shapes, level_start_index, locations, weights
+
+
+# ---- implementations --------------------------------------------------------------
+def _ours(backend: str):
+    def fn(value, shapes, start, loc, attn):
+        return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
+    return fn
+
+
+def _reference(value, shapes, start, loc, attn):
+    return ms_deform_attn_pytorch(value, shapes, start, loc, attn)
+
+
+def _peer_mmcv():
+    from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
+
+    def fn(value, shapes, start, loc, attn):
+        return MultiScaleDeformableAttnFunction.apply(value, shapes, start, loc, attn, 64)
+    return fn
+
+
+def _peer_original():
+    import MultiScaleDeformableAttention as MSDA  # noqa: F401  (the Deformable DETR extension)
+
+    class _Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, value, shapes, start, loc, attn):
+            ctx.save_for_backward(value, shapes, start, loc, attn)
+            return MSDA.ms_deform_attn_forward(value, shapes, start, loc, attn, 64)
+
+        @staticmethod
+        def backward(ctx, grad):
+            value, shapes, start, loc, attn = ctx.saved_tensors
+            gv, gl, ga = MSDA.ms_deform_attn_backward(value, shapes, start, loc, attn,
+                                                      grad.contiguous(), 64)
+            return gv, None, None, gl, ga
+
+    return _Fn.apply
+
+
+PEERS = {"mmcv": _peer_mmcv, "original": _peer_original}
+
+
+def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callable], List[str]]:
+    """name -> callable for every requested implementation that can run here,
+    plus notes on the ones skipped. Names: our backends, "reference", peers."""
+    impls: Dict[str, Callable] = {}
+    notes: List[str] = []
+    ours = msda.available_backends(device)
+    for name in names:
+        if name in ours:
+            impls[name] = _ours("auto" if name == "cpu" else name)
+        elif name == "reference":
+            impls[name] = _reference
+        elif name in PEERS:
+            try:
+                impls[name] = PEERS[name]()
+            except Exception as exc:  # not installed / not built for this device
+                notes.append(f"peer {name!r} skipped: {type(exc).__name__}: {exc}")
+        else:
+            notes.append(f"{name!r} skipped: not available on {device}")
+    return impls, notes
+
+
+# Peers limited to fp32 (the original op) are given fp32 inputs only.
+FP32_ONLY = {"original"}
+
+
+# ---- timing -----------------------------------------------------------------------
+def _sync(device: str):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_cuda(step: Callable[[int], object], n_sets: int, use_graph: bool,
+              target_ms: float = 300.0, min_reps: int = 10) -> Tuple[float, str, int]:
+    """Median time of one step on the GPU, in microseconds.
+
+    step(i) runs the work on input set i (rotating sets keep small inputs from
+    being served by L2). With use_graph, one CUDA graph holds one step per set
+    and its replays are timed (no launch gaps: GPU time); otherwise eager steps
+    are timed between CUDA events (launch overhead included where the GPU
+    outruns the host: the reference reads shapes on the host and cannot be
+    captured)."""
+    for i in range(n_sets):  # warm-up (allocator, module load)
+        step(i)
+    torch.cuda.synchronize()
+    if use_graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            step(0)
+            with torch.cuda.graph(graph, stream=stream):
+                for i in range(n_sets):
+                    step(i)
+        torch.cuda.synchronize()
+        run, method = graph.replay, "cuda-graph"
+    else:
+        def run():
+            for i in range(n_sets):
+                step(i)
+        method = "events"
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    one_ms = max(start.elapsed_time(end), 1e-3)
+    reps = max(min_reps, min(2000, int(target_ms / one_ms)))
+    times = []
+    for _ in range(reps):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n_sets)
+    return statistics.median(times), method, reps
+
+
+def time_cpu(step: Callable[[int], object], n_sets: int, target_s: float = 1.0) -> Tuple[float, str, int]:
+    """Median wall-clock time of one step on the CPU, in microseconds."""
+    step(0)
+    t0 = time.perf_counter()
+    step(0)
+    one = time.perf_counter() - t0
+    reps = max(3, min(50, int(target_s / max(one, 1e-6))))
+    times = []
+    for r in range(reps):
+        t0 = time.perf_counter()
+        step(r % n_sets)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times), "wall", reps
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus written."""
+    if not device.startswith("cuda"):
+        nbytes = 1 << 27
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    if device.startswith("cuda"):
+        t, _, _ = time_cuda(lambda i: dst.copy_(src), 1, use_graph=False, target_ms=200)
+    else:
+        t, _, _ = time_cpu(lambda i: dst.copy_(src), 1, target_s=0.5)
+    return 2 * nbytes / (t * 1e-6)

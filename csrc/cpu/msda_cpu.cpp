@@ -1,0 +1,74 @@
+// CPU registration of the operator: validation, allocation, parallel loop.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../prepare.h"
+#include "kernels.h"
+
+namespace msda {
+namespace {
+
+at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                       const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                       const at::Tensor& attention_weights, c10::string_view backend) {
+  TORCH_CHECK(backend == "auto" || backend == "cpu", "ms_deform_attn: backend '", backend,
+              "' cannot run on CPU tensors; backends available on cpu: ['cpu'] (or 'auto')");
+  const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
+                                     sampling_locations, attention_weights);
+  const auto& pb = in.pb;
+  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
+  const int64_t groups = pb.N * pb.Lq * pb.M;
+  if (groups == 0) return out;
+  ForwardParams p;
+  p.pb = pb;
+  p.value = in.value.data_ptr();
+  p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
+  p.level_start = in.level_start.data_ptr<int64_t>();
+  p.loc = in.loc.data_ptr();
+  p.attn = in.attn.data_ptr();
+  p.out = out.data_ptr();
+  // About 16k multiply-adds per grain.
+  const int64_t grain = std::max<int64_t>(1, 16384 / (4 * pb.L * pb.P * pb.D));
+  at::parallel_for(0, groups, grain,
+                   [&](int64_t b, int64_t e) { cpu::forward_range(p, b, e); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights) {
+  const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
+                                     sampling_locations, attention_weights);
+  const auto& pb = in.pb;
+  const at::Tensor gout = prepare_grad_output(grad_output, in);
+  const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
+  auto grad_loc = new_output(in.loc.sizes(), in.loc.options());
+  auto grad_attn = new_output(in.attn.sizes(), in.attn.options());
+  if (pb.N * pb.Lq * pb.M > 0) {
+    BackwardParams p;
+    p.pb = pb;
+    p.value = in.value.data_ptr();
+    p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
+    p.level_start = in.level_start.data_ptr<int64_t>();
+    p.loc = in.loc.data_ptr();
+    p.attn = in.attn.data_ptr();
+    p.grad_out = gout.data_ptr();
+    p.grad_value_acc = grad_value_acc.data_ptr();
+    p.grad_loc = grad_loc.data_ptr();
+    p.grad_attn = grad_attn.data_ptr();
+    at::parallel_for(0, pb.N * pb.M, 1,
+                     [&](int64_t b, int64_t e) { cpu::backward_range(p, b, e); });
+  }
+  return {grad_value_acc.to(in.value.scalar_type()), grad_loc.to(in.loc_dtype_in),
+          grad_attn.to(in.attn_dtype_in)};
+}
+
+}  // namespace
+}  // namespace msda
+
+TORCH_LIBRARY_IMPL(ms_deform_attn, CPU, m) {
+  m.impl("ms_deform_attn", &msda::forward_cpu);
+  m.impl("_ms_deform_attn_backward", &msda::backward_cpu);
+}

@@ -1,0 +1,127 @@
+// Backward shared by every forward backend. Same thread layout as the
+// baseline forward: `lanes` threads per (query, head), VEC channels each.
+//   grad_value: fp32 (fp64 for fp64) atomicAdd into a zeroed accumulator;
+//   grad of locations and weights: per-lane partial dot products over
+//   channels, reduced across the group's lanes with warp shuffles, written
+//   once by lane 0 (no atomics).
+#include "common.cuh"
+#include "launch.h"
+
+namespace msda::cuda {
+namespace {
+
+// kMulti: D spans more than one pass of the group's lanes (D > 32 * VEC), so
+// grad_output is re-read per pass instead of being kept in registers.
+template <typename T, typename LT, int VEC, bool kMulti>
+__global__ void __launch_bounds__(kThreads)
+    backward_kernel(const BackwardParams p, const int lanes) {
+  using A = acc_t<T>;
+  const Problem& pb = p.pb;
+  __shared__ Level levels[kMaxLevels];
+  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
+  __syncthreads();
+
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t group = tid / lanes;
+  // Threads past the last group stay for the shuffles and do nothing else.
+  const bool active = group < pb.N * pb.Lq * pb.M;
+  const int lane = static_cast<int>(tid % lanes);
+  const int64_t m = group % pb.M, n = group / (pb.Lq * pb.M);
+  const int64_t row_stride = pb.M * pb.D;
+  const int64_t vrow0 = value_row(n, 0, m, pb.S, pb.M) * pb.D;
+  const T* vbase = static_cast<const T*>(p.value) + vrow0;
+  A* gvbase = static_cast<A*>(p.grad_value_acc) + vrow0;
+  const int64_t LP = int64_t(pb.L) * pb.P;
+  const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
+  const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
+  const T* gout = static_cast<const T*>(p.grad_out) + group * pb.D;
+  LT* gloc = static_cast<LT*>(p.grad_loc) + group * LP * 2;
+  LT* gattn = static_cast<LT*>(p.grad_attn) + group * LP;
+
+  const int64_t c0 = int64_t(lane) * VEC;
+  const int64_t cstep = int64_t(lanes) * VEC;
+  A go[VEC];
+  if (!kMulti) {
+    if (active && c0 < pb.D) {
+      load_vec<T, VEC>(gout + c0, go);
+    } else {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) go[e] = A(0);
+    }
+  }
+
+  for (int l = 0; l < pb.L; ++l) {
+    const Level lv = levels[l];
+    const int64_t lbase = lv.start * row_stride;
+    for (int pt = 0; pt < pb.P; ++pt) {
+      const int i = l * pb.P + pt;
+      A xy[2] = {A(-2), A(-2)};  // outside: inactive threads sample nothing
+      A w = A(0);
+      if (active) {
+        load_xy(loc + 2 * i, xy);
+        w = to_acc(attn[i]);
+      }
+      const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
+      A g_attn = A(0), g_lw = A(0), g_lh = A(0);
+      if (b.inside) {
+        for (int64_t c = c0; c < pb.D; c += cstep) {
+          if (kMulti) load_vec<T, VEC>(gout + c, go);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if (!b.corner_ok(k, lv.H, lv.W)) continue;
+            const int64_t off = lbase + b.corner_offset(k, lv.W) * row_stride + c;
+            A v[VEC];
+            load_vec<T, VEC>(vbase + off, v);
+            A dot = A(0);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) dot += go[e] * v[e];
+            const A wk = b.weight(k);
+            g_attn += wk * dot;
+            g_lw += b.dweight_dlw(k) * dot;
+            g_lh += b.dweight_dlh(k) * dot;
+            const A scale = w * wk;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) atomicAdd(gvbase + off + e, scale * go[e]);
+          }
+          if (!kMulti) break;
+        }
+      }
+      g_attn = group_sum(g_attn, lanes);
+      g_lw = group_sum(g_lw, lanes);
+      g_lh = group_sum(g_lh, lanes);
+      if (active && lane == 0) {
+        gattn[i] = from_acc<LT>(acc_t<LT>(g_attn));
+        gloc[2 * i] = from_acc<LT>(acc_t<LT>(w * g_lw * A(lv.W)));
+        gloc[2 * i + 1] = from_acc<LT>(acc_t<LT>(w * g_lh * A(lv.H)));
+      }
+    }
+  }
+}
+
+template <typename T, typename LT, int VEC>
+cudaError_t launch(const BackwardParams& p, cudaStream_t stream) {
+  const int lanes = lanes_for(p.pb.D, VEC);
+  const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
+  const bool multi = p.pb.D > int64_t(lanes) * VEC;
+  if (multi) {
+    backward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+  } else {
+    backward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
+    using T = typename decltype(t)::type;
+    using LT = typename decltype(lt)::type;
+    constexpr int kVec = 16 / sizeof(T);
+    err = p.vec == kVec ? launch<T, LT, kVec>(p, stream) : launch<T, LT, 1>(p, stream);
+  });
+  return err;
+}
+
+}  // namespace msda::cuda

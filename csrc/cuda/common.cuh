@@ -1,0 +1,129 @@
+// Device helpers shared by every CUDA kernel: dtype conversion, vector loads
+// and stores, level metadata, and dtype dispatch for the launchers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../params.h"
+#include "../sampling.h"
+
+namespace msda::cuda {
+
+// ---- conversions -----------------------------------------------------------
+__device__ __forceinline__ float to_acc(float v) { return v; }
+__device__ __forceinline__ double to_acc(double v) { return v; }
+__device__ __forceinline__ float to_acc(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_acc(acc_t<T> v);
+template <> __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <> __device__ __forceinline__ double from_acc<double>(double v) { return v; }
+template <> __device__ __forceinline__ __half from_acc<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+
+// ---- vector access ---------------------------------------------------------
+// N elements of T moved as one access of sizeof(T) * N bytes (16 at most).
+template <int Bytes> struct RawVec;
+template <> struct RawVec<16> { using type = uint4; };
+template <> struct RawVec<8> { using type = uint2; };
+template <> struct RawVec<4> { using type = unsigned int; };
+template <> struct RawVec<2> { using type = unsigned short; };
+
+template <typename T, int N>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, acc_t<T> (&out)[N]) {
+  using R = typename RawVec<sizeof(T) * N>::type;
+  const R raw = __ldg(reinterpret_cast<const R*>(p));
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_acc(e[i]);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_vec(T* p, const acc_t<T> (&in)[N]) {
+  using R = typename RawVec<sizeof(T) * N>::type;
+  R raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < N; ++i) e[i] = from_acc<T>(in[i]);
+  *reinterpret_cast<R*>(p) = raw;
+}
+
+// A sampling location (x, y), converted to the accumulation type A.
+template <typename A, typename LT>
+__device__ __forceinline__ void load_xy(const LT* p, A (&xy)[2]) {
+  acc_t<LT> raw[2];
+  load_vec<LT, 2>(p, raw);
+  xy[0] = A(raw[0]);
+  xy[1] = A(raw[1]);
+}
+
+// ---- level metadata --------------------------------------------------------
+struct Level {
+  int H, W;
+  int64_t start;
+};
+
+// Reads the level table into shared memory (call with every thread of the
+// block, then __syncthreads()). A level whose extent does not fit inside
+// [0, S) is made empty (H = W = 0): spatial_shapes on the device cannot be
+// checked without a host sync, so bad values must not read out of bounds.
+__device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
+                                            const int64_t* starts, int L, int64_t S) {
+  for (int l = threadIdx.x; l < L; l += blockDim.x) {
+    const int64_t H = shapes[2 * l], W = shapes[2 * l + 1], st = starts[l];
+    const bool ok = H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && st >= 0 &&
+                    st <= S && H * W <= S - st;
+    lv[l] = ok ? Level{int(H), int(W), st} : Level{0, 0, 0};
+  }
+}
+
+// ---- work decomposition ----------------------------------------------------
+// A (n, q, m) group is served by `lanes` consecutive threads (a power of two
+// <= 32, so a group never straddles a warp); lane j owns channels
+// [j * VEC, j * VEC + VEC) + k * lanes * VEC.
+inline int lanes_for(int64_t D, int vec) {
+  const int64_t vecs = (D + vec - 1) / vec;
+  int lanes = 1;
+  while (lanes < 32 && lanes < vecs) lanes *= 2;
+  return lanes;
+}
+
+// Sum of v over the `lanes` threads of a group; every thread of the warp must
+// call it (inactive ones with v = 0).
+template <typename A>
+__device__ __forceinline__ A group_sum(A v, int lanes) {
+  for (int o = lanes >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// ---- dtype dispatch --------------------------------------------------------
+template <typename T> struct Tag { using type = T; };
+
+// Calls f(Tag<T>{}, Tag<LT>{}) for the (value, location) dtype pair.
+template <typename F>
+void dispatch_dtypes(const Problem& pb, F&& f) {
+  const bool loc32 = pb.loc_dtype == DType::f32;
+  switch (pb.value_dtype) {
+    case DType::f32: f(Tag<float>{}, Tag<float>{}); break;
+    case DType::f64: loc32 ? f(Tag<double>{}, Tag<float>{}) : f(Tag<double>{}, Tag<double>{}); break;
+    case DType::f16: loc32 ? f(Tag<__half>{}, Tag<float>{}) : f(Tag<__half>{}, Tag<__half>{}); break;
+    case DType::bf16:
+      loc32 ? f(Tag<__nv_bfloat16>{}, Tag<float>{})
+            : f(Tag<__nv_bfloat16>{}, Tag<__nv_bfloat16>{});
+      break;
+  }
+}
+
+constexpr int kThreads = 256;
+
+inline unsigned grid_for(int64_t threads) {
+  return static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+}
+
+}  // namespace msda::cuda

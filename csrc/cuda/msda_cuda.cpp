@@ -1,0 +1,165 @@
+// CUDA registration of the operator: the backend table (predicates and the
+// order "auto" prefers), validation, allocation and launch on the current
+// stream of the value's device. Never synchronises with the host.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <sstream>
+
+#include "../prepare.h"
+#include "launch.h"
+
+namespace msda {
+namespace {
+
+// ---- backends ----------------------------------------------------------------
+// A predicate returns "" when the backend can run, otherwise the reason it
+// cannot. device_reason looks at the device only (what available_backends
+// lists); problem_reason at the inputs too.
+struct CudaBackend {
+  const char* name;
+  std::string (*device_reason)(const cudaDeviceProp&);
+  std::string (*problem_reason)(const Problem&, const cudaDeviceProp&);
+  cudaError_t (*forward)(const ForwardParams&, cudaStream_t);
+};
+
+std::string runs_anywhere(const cudaDeviceProp&) { return ""; }
+std::string runs_any_problem(const Problem&, const cudaDeviceProp&) { return ""; }
+
+// In the order "auto" prefers them: the first whose predicates pass is chosen.
+// benchmarks/ measures every backend on the canonical workloads; BENCHMARKS.md
+// holds the figures behind this order.
+const CudaBackend kBackends[] = {
+    {"baseline", runs_anywhere, runs_any_problem, &cuda::baseline_forward},
+};
+
+const cudaDeviceProp& props(int device) { return *at::cuda::getDeviceProperties(device); }
+
+int resolve_device(int device) { return device < 0 ? at::cuda::current_device() : device; }
+
+std::string known_names() {
+  std::ostringstream os;
+  os << "[";
+  for (const auto& b : kBackends) os << (&b == kBackends ? "'" : ", '") << b.name << "'";
+  os << "]";
+  return os.str();
+}
+
+std::vector<std::string> available(int device) {
+  if (!at::cuda::is_available()) return {};
+  const auto& pr = props(resolve_device(device));
+  std::vector<std::string> names;
+  for (const auto& b : kBackends) {
+    if (b.device_reason(pr).empty()) names.emplace_back(b.name);
+  }
+  return names;
+}
+
+std::string select(const Problem& pb, int device) {
+  if (const char* env = std::getenv("MS_DEFORM_ATTN_BACKEND")) {
+    if (*env && std::string(env) != "auto") return env;
+  }
+  const auto& pr = props(resolve_device(device));
+  for (const auto& b : kBackends) {
+    if (b.device_reason(pr).empty() && b.problem_reason(pb, pr).empty()) return b.name;
+  }
+  TORCH_CHECK(false, "ms_deform_attn: no CUDA backend can run these inputs");
+}
+
+const CudaBackend& find_runnable(const std::string& name, const Problem& pb, int device) {
+  for (const auto& b : kBackends) {
+    if (name != b.name) continue;
+    const auto& pr = props(device);
+    std::string why = b.device_reason(pr);
+    if (why.empty()) why = b.problem_reason(pb, pr);
+    TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
+    return b;
+  }
+  TORCH_CHECK(false, "ms_deform_attn: unknown backend '", name, "'; expected 'auto' or one of ",
+              known_names());
+}
+
+// ---- operator ------------------------------------------------------------------
+// Locations are read as (x, y) pairs with one vector load: keep them aligned.
+at::Tensor aligned_pairs(at::Tensor t) {
+  const auto align = 2 * t.element_size();
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0 ? t : t.clone();
+}
+
+at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                        const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                        const at::Tensor& attention_weights, c10::string_view backend) {
+  Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
+                               attention_weights);
+  const c10::cuda::CUDAGuard guard(value.device());
+  const int device = value.device().index();
+  const auto& pb = in.pb;
+  const std::string name = backend == "auto" ? select(pb, device) : std::string(backend);
+  const CudaBackend& impl = find_runnable(name, pb, device);
+
+  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
+  if (out.numel() == 0) return out;
+  in.loc = aligned_pairs(in.loc);
+  ForwardParams p;
+  p.pb = pb;
+  p.value = in.value.data_ptr();
+  p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
+  p.level_start = in.level_start.data_ptr<int64_t>();
+  p.loc = in.loc.data_ptr();
+  p.attn = in.attn.data_ptr();
+  p.out = out.data_ptr();
+  p.vec = pick_vec(pb.D, in.value.element_size(), {p.value, p.out});
+  C10_CUDA_CHECK(impl.forward(p, at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights) {
+  Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
+                               attention_weights);
+  const c10::cuda::CUDAGuard guard(value.device());
+  const auto& pb = in.pb;
+  const at::Tensor gout = prepare_grad_output(grad_output, in);
+  const auto vt = in.value.scalar_type();
+  const auto acc_type = vt == at::kDouble ? at::kDouble : at::kFloat;
+  auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
+  auto grad_loc = new_output(in.loc.sizes(), in.loc.options());
+  auto grad_attn = new_output(in.attn.sizes(), in.attn.options());
+  if (pb.N * pb.Lq * pb.M > 0) {
+    in.loc = aligned_pairs(in.loc);
+    BackwardParams p;
+    p.pb = pb;
+    p.value = in.value.data_ptr();
+    p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
+    p.level_start = in.level_start.data_ptr<int64_t>();
+    p.loc = in.loc.data_ptr();
+    p.attn = in.attn.data_ptr();
+    p.grad_out = gout.data_ptr();
+    p.grad_value_acc = grad_value_acc.data_ptr();
+    p.grad_loc = grad_loc.data_ptr();
+    p.grad_attn = grad_attn.data_ptr();
+    p.vec = pick_vec(pb.D, in.value.element_size(), {p.value, p.grad_out});
+    C10_CUDA_CHECK(cuda::backward(p, at::cuda::getCurrentCUDAStream()));
+  }
+  return {grad_value_acc.to(vt), grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
+}
+
+// Installs the CUDA hooks when the library loads.
+const bool kHooksInstalled = [] {
+  cuda_hooks().available = &available;
+  cuda_hooks().select = &select;
+  return true;
+}();
+
+}  // namespace
+}  // namespace msda
+
+TORCH_LIBRARY_IMPL(ms_deform_attn, CUDA, m) {
+  m.impl("ms_deform_attn", &msda::forward_cuda);
+  m.impl("_ms_deform_attn_backward", &msda::backward_cuda);
+}

@@ -1,0 +1,48 @@
+// Plain parameter structs handed from the binding layer to the kernels.
+// No ATen here: kernels see raw pointers and sizes only.
+#pragma once
+
+#include <cstdint>
+
+namespace msda {
+
+enum class DType : int { f32 = 0, f16 = 1, bf16 = 2, f64 = 3 };
+
+struct Problem {
+  int64_t N = 0;   // batch
+  int64_t S = 0;   // sum of H * W over levels
+  int64_t M = 0;   // heads
+  int64_t D = 0;   // channels per head
+  int64_t Lq = 0;  // queries
+  int L = 0;       // levels
+  int P = 0;       // points per level
+  DType value_dtype = DType::f32;
+  DType loc_dtype = DType::f32;  // dtype of locations and weights (same for both)
+};
+
+struct ForwardParams {
+  Problem pb;
+  const void* value = nullptr;            // (N, S, M, D)
+  const int64_t* spatial_shapes = nullptr; // (L, 2) on the kernel's device
+  const int64_t* level_start = nullptr;    // (L,)
+  const void* loc = nullptr;               // (N, Lq, M, L, P, 2)
+  const void* attn = nullptr;              // (N, Lq, M, L, P)
+  void* out = nullptr;                     // (N, Lq, M * D)
+  int vec = 1;                             // elements per vector access
+};
+
+struct BackwardParams {
+  Problem pb;
+  const void* value = nullptr;
+  const int64_t* spatial_shapes = nullptr;
+  const int64_t* level_start = nullptr;
+  const void* loc = nullptr;
+  const void* attn = nullptr;
+  const void* grad_out = nullptr;  // (N, Lq, M * D), value dtype
+  void* grad_value_acc = nullptr;  // (N, S, M, D) in the accumulation type, zeroed
+  void* grad_loc = nullptr;        // like loc
+  void* grad_attn = nullptr;       // like attn
+  int vec = 1;
+};
+
+}  // namespace msda

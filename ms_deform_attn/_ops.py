@@ -1,0 +1,128 @@
+"""Python side of the operator: fake kernels, autograd, public wrappers."""
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import torch
+
+from . import _C  # noqa: F401  (runs the C++ TORCH_LIBRARY registrations)
+
+_lib = torch.ops.ms_deform_attn
+
+
+def ms_deform_attn(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    level_start_index: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Multi-scale deformable attention (Deformable DETR, eq. 2).
+
+    Args:
+        value: (N, S, M, D), float32 / float16 / bfloat16 / float64.
+        spatial_shapes: (L, 2) int64, (H, W) of each level, on value's device.
+        level_start_index: (L,) int64, exclusive cumulative sum of H * W.
+        sampling_locations: (N, Lq, M, L, P, 2), normalised (x, y); in value's
+            dtype or float32. Locations outside [0, 1] are legal.
+        attention_weights: (N, Lq, M, L, P), in value's dtype or float32.
+        backend: "auto" or a name from available_backends(value.device).
+            The environment variable MS_DEFORM_ATTN_BACKEND overrides "auto".
+
+    Returns:
+        (N, Lq, M * D) in value's dtype.
+    """
+    return _lib.ms_deform_attn(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend
+    )
+
+
+def available_backends(device: Optional[Union[str, torch.device]] = None) -> List[str]:
+    """Backends that can run on `device` (default: the current CUDA device if
+    there is one, else the CPU), in the order "auto" prefers them. A backend
+    listed here may still refuse particular inputs (its predicate says why)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return []
+    return list(_lib._available_backends(device))
+
+
+def select_backend(value, spatial_shapes, level_start_index, sampling_locations,
+                   attention_weights) -> str:
+    """The backend that backend="auto" resolves to for these inputs."""
+    return _lib._select_backend(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+    )
+
+
+# ---- fake (meta) kernels -----------------------------------------------------
+@torch.library.register_fake("ms_deform_attn::ms_deform_attn")
+def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
+                  attention_weights, backend="auto"):
+    torch._check(value.dim() == 4, lambda: "ms_deform_attn: value must have 4 dimensions")
+    torch._check(sampling_locations.dim() == 6,
+                 lambda: "ms_deform_attn: sampling_locations must have 6 dimensions")
+    n, _, m, d = value.shape
+    return value.new_empty((n, sampling_locations.shape[1], m * d))
+
+
+@torch.library.register_fake("ms_deform_attn::_ms_deform_attn_backward")
+def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                   attention_weights):
+    return (
+        torch.empty_like(value, memory_format=torch.contiguous_format),
+        torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
+        torch.empty_like(attention_weights, memory_format=torch.contiguous_format),
+    )
+
+
+# ---- autograd -------------------------------------------------------------------
+def _setup_context(ctx, inputs, output):
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, _ = inputs
+    ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations,
+                          attention_weights)
+
+
+def _backward(ctx, grad_output):
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
+        ctx.saved_tensors
+    )
+    grad_value, grad_loc, grad_attn = _lib._ms_deform_attn_backward(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+        attention_weights,
+    )
+    need = ctx.needs_input_grad
+    return (
+        grad_value if need[0] else None,
+        None,
+        None,
+        grad_loc if need[3] else None,
+        grad_attn if need[4] else None,
+        None,
+    )
+
+
+torch.library.register_autograd(
+    "ms_deform_attn::ms_deform_attn", _backward, setup_context=_setup_context
+)
+
+
+def _no_double_backward_setup(ctx, inputs, output):
+    pass
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(
+        "ms_deform_attn: double backward (differentiating the gradient) is not supported"
+    )
+
+
+torch.library.register_autograd(
+    "ms_deform_attn::_ms_deform_attn_backward",
+    _no_double_backward,
+    setup_context=_no_double_backward_setup,
+)

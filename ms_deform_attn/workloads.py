@@ -1,0 +1,162 @@
+"""The canonical MSDA workloads and their sampling-location generators.
+
+The project's own copy of ../shared/WORKLOADS.md (the spec): every workload by
+name, the three location generators (`uniform`, `encoder`, `decoder`), and
+the bytes floor. Tests and benchmarks draw their inputs from here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+DDETR_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    n: int                               # batch
+    levels: Tuple[Tuple[int, int], ...]  # (H, W) per level
+    lq: Optional[int]                    # queries; None: one per pixel (= S)
+    m: int                               # heads
+    p: int                               # points per level
+    locations: str                       # generator: uniform / encoder / decoder
+    d: int = 32                          # channels per head
+
+    @property
+    def s(self) -> int:
+        return sum(h * w for h, w in self.levels)
+
+    @property
+    def queries(self) -> int:
+        return self.s if self.lq is None else self.lq
+
+    def scaled(self, factor: int) -> "Workload":
+        """A smaller workload of the same structure (for CPU runs): level sides
+        divided by `factor`, batch and explicit query counts too."""
+        if factor <= 1:
+            return self
+        levels = tuple((max(1, math.ceil(h / factor)), max(1, math.ceil(w / factor)))
+                       for h, w in self.levels)
+        lq = None if self.lq is None else max(1, self.lq // factor)
+        return replace(self, n=max(1, self.n // factor), levels=levels, lq=lq,
+                       name=f"{self.name}/{factor}")
+
+
+WORKLOADS: Dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload("seed", 48, ((92, 160), (46, 80), (23, 40), (12, 20)), 15422, 1, 8, "uniform"),
+        Workload("ddetr_enc", 2, DDETR_LEVELS, None, 8, 4, "encoder"),
+        Workload("ddetr_dec", 2, DDETR_LEVELS, 300, 8, 4, "decoder"),
+        Workload("dino_dec", 4, DDETR_LEVELS, 900, 8, 4, "decoder"),
+        Workload("rtdetr_dec", 16, ((80, 80), (40, 40), (20, 20)), 300, 8, 4, "decoder"),
+        Workload("dino5_enc", 1, ((200, 334),) + DDETR_LEVELS, None, 8, 4, "encoder"),
+        Workload("bevformer_tsa", 2, ((200, 200),), None, 8, 4, "encoder"),
+        Workload("m2f_enc", 1, ((128, 128), (64, 64), (32, 32)), None, 8, 4, "encoder"),
+    ]
+}
+
+
+def get(name: str) -> Workload:
+    """Workload by name; "name/k" gives it scaled down by k."""
+    base, _, factor = name.partition("/")
+    if base not in WORKLOADS:
+        raise KeyError(f"unknown workload {base!r}; known: {', '.join(WORKLOADS)}")
+    return WORKLOADS[base].scaled(int(factor) if factor else 1)
+
+
+def level_tensors(levels, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """spatial_shapes (L, 2) and level_start_index (L,), int64, on `device`."""
+    shapes = torch.tensor(levels, dtype=torch.long, device=device)
+    areas = shapes[:, 0] * shapes[:, 1]
+    start = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+    return shapes, start
+
+
+# ---- location generators ------------------------------------------------------
+def _directions(m: int, device) -> torch.Tensor:
+    """(M, 2) unit vectors (cos t_m, sin t_m), t_m = 2 pi m / M."""
+    t = 2 * math.pi * torch.arange(m, dtype=torch.float64, device=device) / m
+    return torch.stack([t.cos(), t.sin()], -1)
+
+
+def _offsets(wl: Workload, nq: int, scale: float, g: torch.Generator, device) -> torch.Tensor:
+    """(N, nq, M, L, P, 2) offsets in normalised units: ((p + 1) * dir_m + N(0, 1))
+    pixels of each level, times `scale`."""
+    dirs = _directions(wl.m, device)[:, None, None, :]                       # (M, 1, 1, 2)
+    steps = torch.arange(1, wl.p + 1, dtype=torch.float64, device=device)[None, None, :, None]
+    noise = torch.randn(wl.n, nq, wl.m, len(wl.levels), wl.p, 2, generator=g,
+                        dtype=torch.float64).to(device)
+    pix = (steps * dirs)[None, None] + noise                                  # pixels
+    wh = torch.tensor([(w, h) for h, w in wl.levels], dtype=torch.float64, device=device)
+    return scale * pix / wh[None, None, None, :, None, :]
+
+
+def encoder_reference_points(levels, device) -> torch.Tensor:
+    """(S, 2): every pixel of every level, level-then-raster order, its centre."""
+    refs = []
+    for h, w in levels:
+        ys = (torch.arange(h, dtype=torch.float64, device=device) + 0.5) / h
+        xs = (torch.arange(w, dtype=torch.float64, device=device) + 0.5) / w
+        yy, xx = torch.meshgrid(ys, xs, indexing="ij")
+        refs.append(torch.stack([xx.flatten(), yy.flatten()], -1))
+    return torch.cat(refs)
+
+
+def sampling_locations(wl: Workload, g: torch.Generator, device="cpu") -> torch.Tensor:
+    """(N, Lq, M, L, P, 2) float64 locations from the workload's generator."""
+    nq = wl.queries
+    if wl.locations == "uniform":
+        shape = (wl.n, nq, wl.m, len(wl.levels), wl.p, 2)
+        return torch.rand(shape, generator=g, dtype=torch.float64).to(device)
+    if wl.locations == "encoder":
+        assert nq == wl.s, "encoder workloads have one query per pixel"
+        ref = encoder_reference_points(wl.levels, device)[None, :, None, None, None, :]
+        return ref + _offsets(wl, nq, 1.0, g, device)
+    if wl.locations == "decoder":
+        ref = 0.05 + 0.9 * torch.rand(wl.n, nq, 2, generator=g, dtype=torch.float64).to(device)
+        return ref[:, :, None, None, None, :] + _offsets(wl, nq, 4.0, g, device)
+    raise ValueError(f"unknown location generator {wl.locations!r}")
+
+
+def make_inputs(wl: Workload, dtype=torch.float32, loc_dtype=torch.float32, device="cpu",
+                seed: int = 0, requires_grad: bool = False) -> List[torch.Tensor]:
+    """[value, spatial_shapes, level_start_index, sampling_locations, attention_weights]."""
+    g = torch.Generator().manual_seed(seed)
+    shapes, start = level_tensors(wl.levels, device)
+    value = torch.randn(wl.n, wl.s, wl.m, wl.d, generator=g, dtype=torch.float32).to(device, dtype)
+    loc = sampling_locations(wl, g, device).to(loc_dtype)
+    logits = torch.randn(wl.n, wl.queries, wl.m, len(wl.levels) * wl.p, generator=g)
+    attn = logits.to(device).softmax(-1).view(wl.n, wl.queries, wl.m, len(wl.levels), wl.p)
+    attn = attn.to(loc_dtype)
+    if requires_grad:
+        for t in (value, loc, attn):
+            t.requires_grad_()
+    return [value, shapes, start, loc, attn]
+
+
+def outside_fraction(loc: torch.Tensor) -> float:
+    """Share of locations outside [0, 1]^2."""
+    out = ((loc < 0) | (loc > 1)).any(-1)
+    return out.double().mean().item()
+
+
+def floor_bytes(wl: Workload, dtype: torch.dtype, loc_dtype: torch.dtype,
+                backward: bool = False) -> int:
+    """Fewest bytes a forward (or forward + backward) must move: every input read
+    once, every output written once. The backward reads value, locations,
+    weights and grad_output and writes the three gradients."""
+    e = torch.tensor([], dtype=dtype).element_size()
+    el = torch.tensor([], dtype=loc_dtype).element_size()
+    value = wl.n * wl.s * wl.m * wl.d * e
+    npts = wl.n * wl.queries * wl.m * len(wl.levels) * wl.p
+    loc, attn = npts * 2 * el, npts * el
+    out = wl.n * wl.queries * wl.m * wl.d * e
+    fwd = value + loc + attn + out
+    if not backward:
+        return fwd
+    return fwd + 2 * (value + loc + attn) + out

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build for sm_90a with all cores, run the whole
+# test suite, run the benchmark; logs, JSON and PNG go under $OUT when set
+# (./gpu_out otherwise). Exits non-zero if the build or any test fails.
+#
+#   STAGES="build test bench"   stages to run (also: sass, sanitize)
+#   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
+#   PYTEST_ARGS=""              extra pytest arguments
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build test bench"}
+BENCH_ARGS=${BENCH_ARGS:---full}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
+export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+status=0
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  git log -1 --format='commit %h %s' 2>/dev/null; git status --short 2>/dev/null | head -20
+} > "$OUT/device.txt" 2>&1
+cat "$OUT/device.txt"
+
+for stage in $STAGES; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    build)
+      if ! MSDA_PTXAS_VERBOSE=1 $PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1; then
+        tail -60 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+      fi
+      grep -E "registers|spill" "$OUT/build.log" | sort | uniq -c | sort -rn | head -5 ;;
+    test)
+      $PY -m pytest -q -ra -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -40
+      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "TESTS FAILED ($rc)"; status=1; } ;;
+    bench)
+      $PY -m benchmarks.run $BENCH_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "BENCH FAILED"; status=1; } ;;
+    sass)
+      cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
+    *) echo "unknown stage $stage"; status=1 ;;
+  esac
+done
+echo "=== done $(date +%T) status $status"
+exit $status

@@ -1,0 +1,80 @@
+"""Shared helpers for the tests: random problems, error metric, device/backend grid."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from ms_deform_attn.reference import ms_deform_attn_pytorch
+
+# ||out - ref|| / ||ref|| bounds against the float64 reference.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def device_backends():
+    """("cpu", "cpu") plus ("cuda", b) for every CUDA backend; CUDA entries
+    skip cleanly when there is no GPU."""
+    params = [pytest.param("cpu", "cpu", id="cpu")]
+    if torch.cuda.is_available():
+        for b in msda.available_backends("cuda"):
+            params.append(pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.cuda))
+    else:
+        params.append(pytest.param("cuda", "none", id="cuda",
+                                   marks=pytest.mark.skip(reason="no CUDA device")))
+    return params
+
+
+def cuda_backends():
+    """CUDA backends only (tests that make sense on the GPU alone)."""
+    return [p for p in device_backends() if p.values[0] == "cuda"]
+
+
+def level_tensors(shapes, device):
+    shapes_t = torch.tensor(shapes, dtype=torch.long, device=device)
+    areas = shapes_t[:, 0] * shapes_t[:, 1]
+    start = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+    return shapes_t, start
+
+
+def make_inputs(n, lq, m, d, shapes, p, dtype, loc_dtype=None, device="cpu", outside=0.15,
+                seed=None, requires_grad=False):
+    """Random problem. About `outside` of the locations fall outside [0, 1]."""
+    g = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**31)
+    loc_dtype = loc_dtype or dtype
+    num_levels = len(shapes)
+    shapes_t, start = level_tensors(shapes, device)
+    s = int(sum(h * w for h, w in shapes))
+    value = torch.randn(n, s, m, d, generator=g, dtype=torch.float64)
+    # Spread so that the given fraction lands outside: uniform on [-a, 1 + a].
+    a = outside / (2 * (1 - outside)) if outside > 0 else 0.0
+    loc = torch.rand(n, lq, m, num_levels, p, 2, generator=g, dtype=torch.float64) * (1 + 2 * a) - a
+    attn = torch.rand(n, lq, m, num_levels, p, generator=g, dtype=torch.float64)
+    attn = attn / attn.sum((-1, -2), keepdim=True)
+    tensors = [value.to(dtype), loc.to(loc_dtype), attn.to(loc_dtype)]
+    tensors = [t.to(device).requires_grad_(requires_grad) for t in tensors]
+    value, loc, attn = tensors
+    return value, shapes_t, start, loc, attn
+
+
+def reference64(value, shapes, start, loc, attn):
+    """Float64 reference on the same (rounded) inputs; non-finite locations
+    replaced by a far-outside point, which samples nothing."""
+    loc64 = loc.detach().double()
+    loc64 = torch.where(torch.isfinite(loc64), loc64, torch.full_like(loc64, -10.0))
+    return ms_deform_attn_pytorch(value.detach().double(), shapes, start, loc64,
+                                  attn.detach().double())
+
+
+def rel_err(out, ref):
+    out = out.double()
+    assert not torch.isnan(out).any(), "NaN in output (unwritten element or bad arithmetic)"
+    denom = ref.norm().item()
+    return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def run(value, shapes, start, loc, attn, backend):
+    be = "auto" if backend == "cpu" else backend
+    return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=be)

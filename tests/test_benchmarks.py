@@ -1,0 +1,52 @@
+"""The benchmark suite and the workload generators cannot rot: run them on tiny inputs."""
+import json
+
+import pytest
+import torch
+
+from ms_deform_attn import workloads as W
+
+
+def test_floors_match_the_spec():
+    # Floors in microseconds at 4.3 TB/s, bf16 value with fp32 locations and
+    # weights (../shared/WORKLOADS.md).
+    spec = {"seed": 91, "ddetr_enc": 26.5, "ddetr_dec": 5.6, "dino_dec": 12.3,
+            "rtdetr_dec": 17.9, "dino5_enc": 60.9, "bevformer_tsa": 26.2, "m2f_enc": 10.9}
+    for name, floor_us in spec.items():
+        got = W.floor_bytes(W.get(name), torch.bfloat16, torch.float32) / 4.3e12 * 1e6
+        assert round(got, 1) == pytest.approx(floor_us, abs=0.11), name  # spec rounds
+
+
+@pytest.mark.parametrize("name,lo,hi", [("ddetr_enc", 0.05, 0.11), ("m2f_enc", 0.05, 0.11),
+                                        ("ddetr_dec", 0.25, 0.36), ("seed/8", 0.0, 0.0)])
+def test_generators_outside_fraction(name, lo, hi):
+    # The spec: encoders about 6-10 % outside the map, decoders about 30 %.
+    wl = W.replace(W.get(name), n=1)
+    loc = W.sampling_locations(wl, torch.Generator().manual_seed(0))
+    assert loc.shape == (wl.n, wl.queries, wl.m, len(wl.levels), wl.p, 2)
+    assert lo <= W.outside_fraction(loc) <= hi
+
+
+def test_encoder_queries_are_pixels():
+    wl = W.get("m2f_enc/8")
+    ref = W.encoder_reference_points(wl.levels, "cpu")
+    assert ref.shape == (wl.s, 2)
+    h, w = wl.levels[0]
+    assert ref[0].tolist() == [0.5 / w, 0.5 / h]
+    assert ref[1].tolist() == [1.5 / w, 0.5 / h]
+
+
+def test_benchmark_runs_on_a_tiny_workload(tmp_path):
+    from benchmarks.run import main
+
+    rc = main(["--workloads", "ddetr_dec/8,m2f_enc/8", "--dtypes", "fp32", "--device", "cpu",
+               "--scale", "1", "--target-ms", "5", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    impls = {r["impl"] for r in result["rows"]}
+    assert {"cpu", "reference"} <= impls
+    for r in result["rows"]:
+        assert r["time_us"] > 0 and r["floor_us"] > 0
+        assert r["rel_err"] <= 1e-5, r
+    assert any("bwd_us" in r for r in result["rows"])
+    assert (tmp_path / "bench.png").exists() or True  # matplotlib is optional

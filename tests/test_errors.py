@@ -1,0 +1,127 @@
+"""Bad input raises a clear error naming the argument, expected and actual value."""
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from helpers import device_backends, make_inputs, run
+
+
+def good(device):
+    return list(make_inputs(2, 5, 4, 8, [(4, 6), (2, 3)], 3, torch.float32, device=device))
+
+
+def replace(args, i, new):
+    args = list(args)
+    args[i] = new
+    return args
+
+
+# (id, mutation of the good argument list, regex the message must match)
+CASES = [
+    ("value_rank", lambda a: replace(a, 0, a[0][0]), r"value must have 4 dimensions.*got 3"),
+    ("shapes_rank", lambda a: replace(a, 1, a[1].flatten()), r"spatial_shapes must have 2 dim"),
+    ("start_rank", lambda a: replace(a, 2, a[2][None]), r"level_start_index must have 1 dim"),
+    ("loc_rank", lambda a: replace(a, 3, a[3][..., 0]), r"sampling_locations must have 6 dim"),
+    ("attn_rank", lambda a: replace(a, 4, a[4][..., None]), r"attention_weights must have 5 dim"),
+    ("loc_batch", lambda a: replace(a, 3, a[3][:1]),
+     r"sampling_locations.size\(0\) \(batch N\) must equal value.size\(0\) = 2, got 1"),
+    ("attn_batch", lambda a: replace(a, 4, a[4][:1]), r"attention_weights.size\(0\) \(batch N\)"),
+    ("loc_heads", lambda a: replace(a, 3, a[3][:, :, :3]),
+     r"sampling_locations.size\(2\) \(heads M\) must equal value.size\(2\) = 4, got 3"),
+    ("attn_heads", lambda a: replace(a, 4, a[4][:, :, :3]), r"attention_weights.size\(2\) \(heads M\)"),
+    ("loc_levels", lambda a: replace(a, 3, a[3][:, :, :, :1]),
+     r"sampling_locations.size\(3\) \(levels L\) must equal spatial_shapes.size\(0\) = 2, got 1"),
+    ("attn_levels", lambda a: replace(a, 4, a[4][:, :, :, :1]), r"attention_weights.size\(3\) \(levels L\)"),
+    ("start_levels", lambda a: replace(a, 2, a[2][:1]), r"level_start_index.size\(0\) \(levels L\)"),
+    ("attn_points", lambda a: replace(a, 4, a[4][..., :2]),
+     r"attention_weights.size\(4\) \(points P\) must equal sampling_locations.size\(4\) = 3, got 2"),
+    ("attn_queries", lambda a: replace(a, 4, a[4][:, :4]),
+     r"attention_weights.size\(1\) \(queries Lq\) must equal sampling_locations.size\(1\) = 5, got 4"),
+    ("loc_xy", lambda a: replace(a, 3, torch.cat([a[3], a[3][..., :1]], -1)),
+     r"sampling_locations.size\(5\) must be 2 \(\(x, y\)\), got 3"),
+    ("shapes_cols", lambda a: replace(a, 1, torch.cat([a[1], a[1][:, :1]], 1)),
+     r"spatial_shapes.size\(1\) must be 2"),
+    ("value_int", lambda a: replace(a, 0, a[0].long()), r"value must be float32.*got Long"),
+    ("loc_dtype", lambda a: replace(a, 3, a[3].half()),
+     r"sampling_locations must have the value's dtype \(Float\) or float32, got Half"),
+    ("attn_dtype", lambda a: replace(a, 4, a[4].double()),
+     r"attention_weights must have the value's dtype \(Float\) or float32, got Double"),
+    ("shapes_float", lambda a: replace(a, 1, a[1].float()), r"spatial_shapes must be int64.*got Float"),
+    ("shapes_int32", lambda a: replace(a, 1, a[1].int()), r"spatial_shapes must be int64.*got Int"),
+    ("start_int32", lambda a: replace(a, 2, a[2].int()), r"level_start_index must be int64.*got Int"),
+]
+
+# Value checks that need spatial_shapes on the host: CPU only.
+CPU_CASES = [
+    ("sum_hw", lambda a: replace(a, 0, a[0][:, :-1]),
+     r"value.size\(1\) \(S\) must equal the sum of H \* W over levels = 30, got 29"),
+    ("start_values", lambda a: replace(a, 2, torch.tensor([0, 23])),
+     r"level_start_index\[1\] must be the exclusive cumulative sum of H \* W, expected 24, got 23"),
+    ("zero_level", lambda a: replace(a, 1, torch.tensor([[4, 6], [0, 3]])),
+     r"spatial_shapes\[1\] = \(0, 3\) must be positive"),
+    ("negative_level", lambda a: replace(a, 1, torch.tensor([[4, 6], [-2, 3]])),
+     r"spatial_shapes\[1\] = \(-2, 3\) must be positive"),
+]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("name,mutate,pattern", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(device, backend, name, mutate, pattern):
+    args = mutate(good(device))
+    with pytest.raises(RuntimeError, match=pattern):
+        run(*args, backend)
+
+
+@pytest.mark.parametrize("name,mutate,pattern", CPU_CASES, ids=[c[0] for c in CPU_CASES])
+def test_bad_values_cpu(name, mutate, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        run(*mutate(good("cpu")), "cpu")
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_bad_grad_output(device, backend):
+    value, shapes, start, loc, attn = good(device)
+    bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
+    with pytest.raises(RuntimeError, match=r"grad_output must have shape \(N, Lq, M \* D\)"):
+        bwd(torch.zeros(2, 5, 31, device=device), value, shapes, start, loc, attn)
+    with pytest.raises(RuntimeError, match=r"grad_output must have the value's dtype"):
+        bwd(torch.zeros(2, 5, 32, device=device, dtype=torch.float64), value, shapes, start,
+            loc, attn)
+
+
+def test_unknown_backend():
+    args = good("cpu")
+    with pytest.raises(RuntimeError, match=r"backend 'nope' cannot run on CPU tensors"):
+        msda.ms_deform_attn(*args, backend="nope")
+    if torch.cuda.is_available():
+        args = good("cuda")
+        with pytest.raises(RuntimeError, match=r"unknown backend 'nope'; expected 'auto' or one of"):
+            msda.ms_deform_attn(*args, backend="nope")
+
+
+def test_cuda_backend_on_cpu_tensors():
+    with pytest.raises(RuntimeError, match=r"backend 'baseline' cannot run on CPU tensors"):
+        msda.ms_deform_attn(*good("cpu"), backend="baseline")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_mixed_devices():
+    args = good("cuda")
+    for i, name in [(1, "spatial_shapes"), (2, "level_start_index"), (3, "sampling_locations"),
+                    (4, "attention_weights")]:
+        bad = replace(args, i, args[i].cpu())
+        with pytest.raises(RuntimeError, match=name + r" must be on the same device as value"):
+            msda.ms_deform_attn(*bad)
+    # The process stays usable after the errors.
+    assert torch.cuda.is_available() and (torch.ones(3, device="cuda") + 1).sum().item() == 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_bad_shapes_on_device_never_read_out_of_bounds():
+    """spatial_shapes on the GPU are not checked against S (that would sync);
+    levels that do not fit are treated as empty instead of read out of bounds."""
+    value, shapes, start, loc, attn = good("cuda")
+    huge = torch.tensor([[1 << 20, 1 << 20], [2, 3]], device="cuda")
+    out = msda.ms_deform_attn(value, huge, start, loc, attn)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()

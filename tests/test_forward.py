@@ -1,0 +1,107 @@
+"""Forward against the float64 reference, on every device and backend."""
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from helpers import DTYPES, TOL, device_backends, make_inputs, reference64, rel_err, run
+
+# (N, Lq, M, D, level shapes, P): covers L 1..5 with non-square levels, P 1..8,
+# D in {8, 16, 30, 32, 64, 128}, M in {1, 8}, N in {1, 3}.
+CASES = [
+    (1, 7, 1, 8, [(5, 9)], 1),
+    (3, 33, 8, 16, [(8, 6), (4, 3)], 2),
+    (1, 50, 8, 30, [(11, 7), (6, 4), (3, 2)], 3),
+    (3, 41, 1, 32, [(12, 17), (6, 9), (3, 5), (2, 3)], 4),
+    (1, 19, 8, 64, [(9, 13), (5, 7), (3, 4), (2, 2), (1, 1)], 5),
+    (3, 13, 8, 128, [(7, 5), (4, 3)], 8),
+    (1, 64, 8, 32, [(16, 20), (8, 10), (4, 5), (2, 3)], 4),
+    (3, 9, 1, 30, [(3, 17), (17, 3)], 7),
+]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
+@pytest.mark.parametrize("loc_fp32", [False, True], ids=["loc_same", "loc_fp32"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_forward_matches_reference(device, backend, dtype, loc_fp32, case):
+    n, lq, m, d, shapes, p = CASES[case]
+    loc_dtype = torch.float32 if loc_fp32 else dtype
+    inputs = make_inputs(n, lq, m, d, shapes, p, dtype, loc_dtype, device=device)
+    out = run(*inputs, backend)
+    assert out.shape == (n, lq, m * d)
+    assert out.dtype == dtype
+    assert rel_err(out, reference64(*inputs)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_mixed_location_and_weight_dtypes(device, backend):
+    value, shapes, start, loc, attn = make_inputs(2, 17, 8, 32, [(6, 5), (3, 3)], 4,
+                                                  torch.bfloat16, device=device)
+    out = run(value, shapes, start, loc.float(), attn, backend)  # bf16 weights, fp32 locations
+    assert rel_err(out, reference64(value, shapes, start, loc, attn)) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_non_contiguous_inputs(device, backend, dtype):
+    value, shapes, start, loc, attn = make_inputs(2, 21, 4, 32, [(7, 9), (4, 5)], 3, dtype,
+                                                  torch.float32, device=device)
+    expected = run(value, shapes, start, loc, attn, backend)
+    # Same data behind permuted / sliced strides.
+    value_nc = value.transpose(0, 1).contiguous().transpose(0, 1)
+    loc_nc = torch.stack([loc[..., 0], loc[..., 1]], dim=0).movedim(0, -1)
+    attn_nc = attn.transpose(1, 2).contiguous().transpose(1, 2)
+    shapes_nc = shapes.t().contiguous().t()
+    assert not (value_nc.is_contiguous() or loc_nc.is_contiguous() or attn_nc.is_contiguous())
+    out = run(value_nc, shapes_nc, start, loc_nc, attn_nc, backend)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    # A misaligned storage offset (value starts one element into a buffer).
+    buf = torch.empty(value.numel() + 1, dtype=dtype, device=device)
+    buf[1:] = value.flatten()
+    out = run(buf[1:].view_as(value), shapes, start, loc, attn, backend)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("n,lq", [(0, 5), (2, 0), (0, 0)])
+def test_empty(device, backend, n, lq):
+    value, shapes, start, loc, attn = make_inputs(max(n, 1), max(lq, 1), 2, 8, [(3, 4)], 2,
+                                                  torch.float32, device=device)
+    value, loc, attn = value[:n], loc[:n, :lq], attn[:n, :lq]
+    out = run(value, shapes, start, loc, attn, backend)
+    assert out.shape == (n, lq, 16)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_non_finite_locations_sample_nothing(device, backend):
+    value, shapes, start, loc, attn = make_inputs(2, 30, 8, 32, [(9, 7), (5, 4)], 4,
+                                                  torch.float32, device=device)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30],
+                            device=device)
+    idx = torch.randint(0, specials.numel(), loc.shape, device=device)
+    mask = torch.rand(loc.shape, device=device) < 0.3
+    loc = torch.where(mask, specials[idx], loc)
+    out = run(value, shapes, start, loc, attn, backend)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, reference64(value, shapes, start, loc, attn)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_locations_on_pixel_borders_and_corners(device, backend):
+    shapes = [(6, 8), (3, 4)]
+    value, shapes_t, start, _, attn = make_inputs(1, 40, 2, 16, shapes, 2, torch.float64,
+                                                  device=device)
+    # Normalised coordinates of pixel centres, pixel edges and the map border.
+    ticks = torch.tensor([0.0, 1 / 16, 1 / 8, 0.25, 0.5, 1 - 1 / 16, 1.0, -1 / 16, 1 + 1 / 16],
+                         dtype=torch.float64)
+    loc = ticks[torch.randint(0, len(ticks), (1, 40, 2, 2, 2, 2))].to(device)
+    out = run(value, shapes_t, start, loc, attn, backend)
+    assert rel_err(out, reference64(value, shapes_t, start, loc, attn)) <= TOL[torch.float64]
+
+
+def test_available_backends():
+    assert msda.available_backends("cpu") == ["cpu"]
+    if not torch.cuda.is_available():
+        assert msda.available_backends("cuda") == []
+    else:
+        assert "baseline" in msda.available_backends("cuda")

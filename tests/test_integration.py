@@ -1,0 +1,112 @@
+"""The operator inside PyTorch's machinery: opcheck, torch.compile, CUDA graphs,
+devices, backend selection."""
+import os
+
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from helpers import TOL, cuda_backends, device_backends, make_inputs, reference64, rel_err, run
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_opcheck(device, backend, dtype):
+    value, shapes, start, loc, attn = make_inputs(2, 6, 2, 8, [(4, 5), (2, 3)], 2, dtype,
+                                                  device=device, requires_grad=True)
+    be = "auto" if backend == "cpu" else backend
+    torch.library.opcheck(torch.ops.ms_deform_attn.ms_deform_attn.default,
+                          (value, shapes, start, loc, attn, be))
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_opcheck_backward_op(device, backend):
+    value, shapes, start, loc, attn = make_inputs(2, 6, 2, 8, [(4, 5), (2, 3)], 2,
+                                                  torch.float32, device=device)
+    grad = torch.randn(2, 6, 16, device=device)
+    torch.library.opcheck(torch.ops.ms_deform_attn._ms_deform_attn_backward.default,
+                          (grad, value, shapes, start, loc, attn),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_torch_compile_fullgraph(device, backend):
+    torch._dynamo.reset()
+    value, shapes, start, loc, attn = make_inputs(2, 9, 4, 16, [(6, 7), (3, 4)], 3,
+                                                  torch.float32, device=device,
+                                                  requires_grad=True)
+    be = "auto" if backend == "cpu" else backend
+
+    def f(v, l, a):
+        return msda.ms_deform_attn(v * 2, shapes, start, l.clamp(-1, 2), a.softmax(-1),
+                                   backend=be).relu()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
+    out = compiled(value, loc, attn)
+    expected = f(value, loc, attn)
+    torch.testing.assert_close(out, expected)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (value, loc, attn), g)
+    expected_grads = torch.autograd.grad(expected, (value, loc, attn), g)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("device,backend", cuda_backends())
+def test_cuda_graph_capture_forward_backward(device, backend):
+    value, shapes, start, loc, attn = make_inputs(2, 33, 8, 32, [(9, 8), (5, 4)], 4,
+                                                  torch.bfloat16, torch.float32, device=device,
+                                                  requires_grad=True)
+    grad = torch.randn(2, 33, 256, device=device, dtype=torch.bfloat16)
+
+    def step():
+        out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
+        return (out,) + torch.autograd.grad(out, (value, loc, attn), grad)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    # New inputs copied in place, then replay.
+    fresh = make_inputs(2, 33, 8, 32, [(9, 8), (5, 4)], 4, torch.bfloat16, torch.float32,
+                        device=device)
+    with torch.no_grad():
+        value.copy_(fresh[0]), loc.copy_(fresh[3]), attn.copy_(fresh[4])
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b in zip(static, eager):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    assert rel_err(static[0], reference64(value, shapes, start, loc, attn)) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("device,backend", cuda_backends())
+def test_runs_on_second_device(device, backend):
+    torch.cuda.set_device(0)
+    inputs = make_inputs(2, 20, 8, 32, [(8, 9), (4, 5)], 4, torch.float32, device="cuda:1")
+    out = msda.ms_deform_attn(*inputs, backend=backend)
+    assert out.device == torch.device("cuda:1")
+    torch.cuda.synchronize(1)
+    assert rel_err(out, reference64(*inputs)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_auto_picks_an_available_backend(device, backend):
+    inputs = make_inputs(1, 8, 2, 16, [(4, 4)], 2, torch.bfloat16, device=device)
+    choice = msda.select_backend(*inputs)
+    assert choice in msda.available_backends(device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_env_override(monkeypatch):
+    inputs = make_inputs(1, 8, 2, 16, [(4, 4)], 2, torch.float32, device="cuda")
+    monkeypatch.setenv("MS_DEFORM_ATTN_BACKEND", "baseline")
+    assert msda.select_backend(*inputs) == "baseline"
+    monkeypatch.setenv("MS_DEFORM_ATTN_BACKEND", "nope")
+    with pytest.raises(RuntimeError, match="unknown backend 'nope'"):
+        msda.ms_deform_attn(*inputs)
