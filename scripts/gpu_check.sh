@@ -38,6 +38,12 @@ for stage in $STAGES; do
     bench)
       $PY -m benchmarks.run $BENCH_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "BENCH FAILED"; status=1; } ;;
+    diag)
+      { g++ --version | head -1; /opt/gcc/bin/g++ --version 2>/dev/null | head -1
+        ldd ms_deform_attn/_C*.so | grep -E "stdc|gcc_s|c10"
+        $PY scripts/diag_exception.py; echo "exit $?"
+        cuda-gdb -batch -ex run -ex bt --args $PY scripts/diag_exception.py 2>&1 | tail -40
+      } > "$OUT/diag.txt" 2>&1; tail -60 "$OUT/diag.txt" ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;

@@ -1,6 +1,7 @@
 // Backward shared by every forward backend. Same thread layout as the
 // baseline forward: `lanes` threads per (query, head), VEC channels each.
-//   grad_value: fp32 (fp64 for fp64) atomicAdd into a zeroed accumulator;
+//   grad_value: fp32 (fp64 for fp64) atomicAdd into a zeroed accumulator,
+//   VEC channels per instruction on sm_90+ (vector atomics);
 //   grad of locations and weights: per-lane partial dot products over
 //   channels, reduced across the group's lanes with warp shuffles, written
 //   once by lane 0 (no atomics).
@@ -80,8 +81,10 @@ __global__ void __launch_bounds__(kThreads)
             g_lw += b.dweight_dlw(k) * dot;
             g_lh += b.dweight_dlh(k) * dot;
             const A scale = w * wk;
+            A add[VEC];
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) atomicAdd(gvbase + off + e, scale * go[e]);
+            for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
+            atomic_add_vec<VEC>(gvbase + off, add);
           }
           if (!kMulti) break;
         }
