@@ -240,14 +240,16 @@ def fmt_table(result: Dict) -> str:
         f"device: {env.get('device_name')} | torch {env['torch']} | CUDA {env['cuda']} | "
         f"commit {env['commit']} | {env['date']} | copy {env['copy_bandwidth_GBps']:.0f} GB/s",
         "",
-        "| workload | dtype | pass | impl | time (us) | bwd (us) | GB/s | x floor | rel. error |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| workload | dtype | pass | impl | time (us) | bwd (us) | GB/s | x floor "
+        "| rel. error (out; or grad value / loc / weights) |",
+        "|---|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         bwd = f"{r['bwd_us']:.1f}" if "bwd_us" in r else ""
+        err = " / ".join(f"{e:.1e}" for e in r.get("rel_err_by_input", [r["rel_err"]]))
         lines.append(
             f"| {r['workload']} | {r['dtype']} | {r['pass_']} | {r['impl']} | {r['time_us']:.1f} | "
-            f"{bwd} | {r['GBps']:.0f} | {r['x_floor']:.1f} | {r['rel_err']:.1e} |")
+            f"{bwd} | {r['GBps']:.0f} | {r['x_floor']:.1f} | {err} |")
     for n in result["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)

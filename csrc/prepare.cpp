@@ -183,13 +183,12 @@ CudaHooks& cuda_hooks() {
   return hooks;
 }
 
-int pick_vec(int64_t D, int64_t elem_size, std::initializer_list<const void*> ptrs) {
-  const int64_t vec = 16 / elem_size;
-  if (D % vec != 0) return 1;
+int pick_vec(int64_t D, int64_t elem_size, int want, std::initializer_list<const void*> ptrs) {
+  if (D % want != 0) return 1;
   for (const void* p : ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return 1;
+    if (reinterpret_cast<uintptr_t>(p) % (want * elem_size) != 0) return 1;
   }
-  return static_cast<int>(vec);
+  return want;
 }
 
 }  // namespace msda

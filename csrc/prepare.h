@@ -45,9 +45,9 @@ struct CudaHooks {
 };
 CudaHooks& cuda_hooks();
 
-// Elements per vector access: 16 bytes' worth when that divides D and every
-// pointer in `ptrs` is 16-byte aligned, else 1 (the kernels are instantiated
-// for exactly these two widths).
-int pick_vec(int64_t D, int64_t elem_size, std::initializer_list<const void*> ptrs);
+// Elements per vector access: `want` when that divides D and every pointer in
+// `ptrs` is aligned to want * elem_size bytes, else 1 (the kernels are
+// instantiated for exactly these two widths).
+int pick_vec(int64_t D, int64_t elem_size, int want, std::initializer_list<const void*> ptrs);
 
 }  // namespace msda

@@ -16,6 +16,13 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
+# The GPU image points CXX at a g++ wrapper (/opt/gcc/bin/g++) whose shared
+# objects carry a static libstdc++: two C++ runtimes in one process crash in
+# the first TORCH_CHECK message. Build with the system g++ instead.
+if [ "${CXX:-}" != "" ] && [ -x /usr/bin/g++ ] && [ "$(readlink -f "$CXX")" != "$(readlink -f /usr/bin/g++)" ]; then
+  echo "CXX was $CXX; using /usr/bin/g++"
+  export CXX=/usr/bin/g++
+fi
 status=0
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
@@ -39,7 +46,7 @@ for stage in $STAGES; do
       $PY -m benchmarks.run $BENCH_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "BENCH FAILED"; status=1; } ;;
     diag)
-      { g++ --version | head -1; /opt/gcc/bin/g++ --version 2>/dev/null | head -1
+      { echo "CXX=${CXX:-}"; head -c 600 /opt/gcc/bin/g++ 2>/dev/null | strings | head -20
         ldd ms_deform_attn/_C*.so | grep -E "stdc|gcc_s|c10"
         $PY scripts/diag_exception.py; echo "exit $?"
         cuda-gdb -batch -ex run -ex bt --args $PY scripts/diag_exception.py 2>&1 | tail -40

@@ -1,5 +1,7 @@
-// Backward shared by every forward backend. Same thread layout as the
-// baseline forward: `lanes` threads per (query, head), VEC channels each.
+// Backward shared by every forward backend. `lanes` threads per (query,
+// head), VEC channels each, VEC = one 16-byte vector of the accumulator (4
+// channels; 2 for fp64), so that a group's vector atomics into grad_value
+// cover contiguous memory.
 //   grad_value: fp32 (fp64 for fp64) atomicAdd into a zeroed accumulator,
 //   VEC channels per instruction on sm_90+ (vector atomics);
 //   grad of locations and weights: per-lane partial dot products over
@@ -121,7 +123,8 @@ cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
   dispatch_dtypes(p.pb, [&](auto t, auto lt) {
     using T = typename decltype(t)::type;
     using LT = typename decltype(lt)::type;
-    constexpr int kVec = 16 / sizeof(T);
+    // A lane owns one 16-byte vector of the fp32 / fp64 accumulator.
+    constexpr int kVec = 16 / sizeof(acc_t<T>);
     err = p.vec == kVec ? launch<T, LT, kVec>(p, stream) : launch<T, LT, 1>(p, stream);
   });
   return err;

@@ -111,7 +111,8 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   p.loc = in.loc.data_ptr();
   p.attn = in.attn.data_ptr();
   p.out = out.data_ptr();
-  p.vec = pick_vec(pb.D, in.value.element_size(), {p.value, p.out});
+  const int64_t elem = in.value.element_size();
+  p.vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.value, p.out});
   C10_CUDA_CHECK(impl.forward(p, at::cuda::getCurrentCUDAStream()));
   return out;
 }
@@ -143,7 +144,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     p.grad_value_acc = grad_value_acc.data_ptr();
     p.grad_loc = grad_loc.data_ptr();
     p.grad_attn = grad_attn.data_ptr();
-    p.vec = pick_vec(pb.D, in.value.element_size(), {p.value, p.grad_out});
+    // One 16-byte vector of the accumulator per lane (4 fp32 / 2 fp64
+    // channels), so that the group's vector atomics cover contiguous memory.
+    const int want = vt == at::kDouble ? 2 : 4;
+    p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
     C10_CUDA_CHECK(cuda::backward(p, at::cuda::getCurrentCUDAStream()));
   }
   return {grad_value_acc.to(vt), grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
