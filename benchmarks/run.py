@@ -64,6 +64,10 @@ def parse_args(argv=None):
 
 
 def git_commit() -> str:
+    """HEAD of the checkout, or MSDA_COMMIT where the tree was copied without
+    its history (the GPU machine)."""
+    if os.environ.get("MSDA_COMMIT"):
+        return os.environ["MSDA_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         sha = subprocess.check_output(["git", "rev-parse", "--short=12", "HEAD"], cwd=here,
@@ -128,7 +132,8 @@ def measure(args) -> Dict:
     for p in passes:
         if p not in PASSES:
             sys.exit(f"unknown pass {p!r}; expected one of {', '.join(PASSES)}")
-    workloads = [W.get(n).scaled(scale) for n in wl_names]
+    # An explicit 'name/k' keeps its own factor; the others take --scale.
+    workloads = [W.get(n) if "/" in n else W.get(n).scaled(scale) for n in wl_names]
 
     ours = msda.available_backends(device)
     if args.backends == "all":
@@ -250,9 +255,28 @@ def fmt_table(result: Dict) -> str:
         lines.append(
             f"| {r['workload']} | {r['dtype']} | {r['pass_']} | {r['impl']} | {r['time_us']:.1f} | "
             f"{bwd} | {r['GBps']:.0f} | {r['x_floor']:.1f} | {err} |")
+    lines += auto_check(result["rows"])
     for n in result["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def auto_check(rows: List[Dict]) -> List[str]:
+    """Compares what backend="auto" picked with the fastest of our backends in
+    this run, per (workload, dtype), forward pass."""
+    ours = set(msda.available_backends("cuda" if torch.cuda.is_available() else "cpu"))
+    lines = []
+    groups: Dict = {}
+    for r in rows:
+        if r["pass_"] == "fwd" and r["impl"] in ours:
+            groups.setdefault((r["workload"], r["dtype"]), []).append(r)
+    for (wl, dt), rs in groups.items():
+        best = min(rs, key=lambda r: r["time_us"])
+        pick = rs[0]["auto_choice"]
+        t_pick = next((r["time_us"] for r in rs if r["impl"] == pick), float("nan"))
+        verdict = "ok" if pick == best["impl"] else f"auto is {t_pick / best['time_us']:.2f}x slower"
+        lines.append(f"auto: {wl} {dt}: picks {pick}, fastest {best['impl']} ({verdict})")
+    return lines
 
 
 def plot(result: Dict, path: str) -> bool:

@@ -6,6 +6,8 @@
 #   STAGES="build test bench"   stages to run (also: sass, sanitize)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
+#   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
+#                               GPU machine has no git history)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
