@@ -27,7 +27,42 @@ def _find_cuda_home():
             return
 
 
+def _shared_libstdcxx(cxx):
+    """Whether `cxx` links libstdc++ dynamically into a shared object. A
+    compiler that links it statically (seen: a g++ wrapper on a GPU image)
+    puts a second C++ runtime into the process next to PyTorch's, which crashes
+    in the first formatted error message. None when it cannot be told."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, lib = os.path.join(tmp, "t.cpp"), os.path.join(tmp, "t.so")
+        with open(src, "w") as f:
+            f.write("#include <sstream>\nstd::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n")
+        try:
+            subprocess.run([cxx, "-shared", "-fPIC", src, "-o", lib], check=True, timeout=120,
+                           capture_output=True)
+            dyn = subprocess.run(["readelf", "-d", lib], check=True, timeout=30,
+                                 capture_output=True, text=True).stdout
+        except Exception:
+            return None
+    return "libstdc++.so" in dyn
+
+
+def _pick_cxx():
+    cxx = os.environ.get("CXX")
+    if not cxx or not os.path.exists("/usr/bin/g++"):
+        return
+    if os.path.realpath(shutil.which(cxx) or cxx) == os.path.realpath("/usr/bin/g++"):
+        return
+    if _shared_libstdcxx(cxx) is False:
+        print(f"setup.py: CXX={cxx} links libstdc++ statically into shared objects; "
+              "building with /usr/bin/g++ instead")
+        os.environ["CXX"] = "/usr/bin/g++"
+
+
 _find_cuda_home()
+_pick_cxx()
 
 from setuptools import find_packages, setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402

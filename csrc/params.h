@@ -29,6 +29,8 @@ struct ForwardParams {
   const void* attn = nullptr;              // (N, Lq, M, L, P)
   void* out = nullptr;                     // (N, Lq, M * D)
   int vec = 1;                             // elements per vector access
+  void* workspace = nullptr;               // zeroed scratch, as the backend asked for
+  int64_t smem_budget = -1;                // shared-memory bytes a caching backend may use (-1: its default)
 };
 
 struct BackwardParams {

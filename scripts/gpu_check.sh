@@ -18,13 +18,6 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
-# The GPU image points CXX at a g++ wrapper (/opt/gcc/bin/g++) whose shared
-# objects carry a static libstdc++: two C++ runtimes in one process crash in
-# the first TORCH_CHECK message. Build with the system g++ instead.
-if [ "${CXX:-}" != "" ] && [ -x /usr/bin/g++ ] && [ "$(readlink -f "$CXX")" != "$(readlink -f /usr/bin/g++)" ]; then
-  echo "CXX was $CXX; using /usr/bin/g++"
-  export CXX=/usr/bin/g++
-fi
 status=0
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv

@@ -3,7 +3,7 @@
 // (level, point) (one broadcast request per warp) and gather the four corners
 // with 16-byte vector loads. fp32 (fp64 for fp64) coordinate math and
 // accumulation.
-#include "common.cuh"
+#include "forward_common.cuh"
 #include "launch.h"
 
 namespace msda::cuda {
@@ -37,29 +37,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int l = 0; l < pb.L; ++l) {
       const Level lv = levels[l];
       const T* vl = vbase + lv.start * row_stride + c;
+      auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec<T, VEC>(vl + pix * row_stride, v); };
       for (int pt = 0; pt < pb.P; ++pt) {
-        const int i = l * pb.P + pt;
-        A xy[2];
-        load_xy(loc + 2 * i, xy);
-        const A w = to_acc(attn[i]);
-        const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
-        if (!b.inside) continue;
-        A v[4][VEC];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (b.corner_ok(k, lv.H, lv.W)) {
-            load_vec<T, VEC>(vl + b.corner_offset(k, lv.W) * row_stride, v[k]);
-          } else {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) v[k][e] = A(0);
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const A wk = w * b.weight(k);
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[e] += wk * v[k][e];
-        }
+        A x, y, w;
+        load_point(loc, attn, l * pb.P + pt, x, y, w);
+        accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
       }
     }
     store_vec<T, VEC>(out + c, acc);

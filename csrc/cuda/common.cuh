@@ -44,6 +44,23 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, acc_t<T> (&out
   for (int i = 0; i < N; ++i) out[i] = to_acc(e[i]);
 }
 
+// Same from shared memory (no read-only-cache path there).
+template <typename T, int N>
+__device__ __forceinline__ void load_vec_shared(const T* p, acc_t<T> (&out)[N]) {
+  using R = typename RawVec<sizeof(T) * N>::type;
+  const R raw = *reinterpret_cast<const R*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < N; ++i) out[i] = to_acc(e[i]);
+}
+
+// Raw copy of N elements (no conversion), e.g. global -> shared.
+template <typename T, int N>
+__device__ __forceinline__ void copy_vec(T* dst, const T* __restrict__ src) {
+  using R = typename RawVec<sizeof(T) * N>::type;
+  *reinterpret_cast<R*>(dst) = __ldg(reinterpret_cast<const R*>(src));
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* p, const acc_t<T> (&in)[N]) {
   using R = typename RawVec<sizeof(T) * N>::type;

@@ -11,6 +11,8 @@ namespace msda::cuda {
 
 // Forward backends.
 cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream);
+cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream);
+int64_t persistent_workspace_bytes(const Problem& pb);  // its zeroed tile counters
 
 // Backward shared by every forward backend. grad_value_acc must be zeroed.
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);

@@ -1,0 +1,211 @@
+// `persistent` forward: a grid of exactly as many blocks as the GPU holds at
+// once (SMs x resident blocks per SM, read from the device), each block taking
+// work until none is left.
+//
+// Work items are (batch n, head m, tile of consecutive queries). Every
+// (n, m) has its own atomic tile counter in a zeroed workspace (reset by the
+// binding with a memset on the stream: no host sync, CUDA-graph safe); a
+// block starts on (n, m) = blockIdx.x mod N*M, takes tiles from that counter
+// until it is exhausted, then moves on to the next (n, m). So a block keeps
+// one (n, m) for many consecutive tiles and loads its cache once per (n, m).
+//
+// Cache: when a block starts on an (n, m) it copies into shared memory every
+// level of that (n, m) that fits in its budget, smallest levels first (the
+// plan is made on the device from the level table, which stays on the GPU).
+// A cached level is stored as [pixel][D] (one head's channels contiguous), so
+// the VEC channels a lane reads are contiguous and the `lanes` threads of a
+// query read one whole pixel row without bank conflicts; two queries read in
+// the same shared-memory wavefront conflict only when their rows share banks.
+// Samples on cached levels read shared memory, the others read global memory
+// with 16-byte vector loads. The budget is a launch parameter (tests shrink
+// it to cover the global fallback).
+#include <algorithm>
+
+#include "forward_common.cuh"
+#include "launch.h"
+
+namespace msda::cuda {
+namespace {
+
+constexpr int kPThreads = 512;
+constexpr int kPBlocksPerSm = 2;  // target occupancy: the shared-memory budget is split for it
+
+// Decides which levels to cache (smallest first, while they fit) and where.
+// One thread of the block calls it; off[l] = element offset of level l's pixel
+// 0 in the cache, or -1 when level l is read from global memory.
+__device__ void plan_cache(const Level* lv, int L, int64_t D, int64_t elem_bytes, int64_t budget,
+                           int64_t* off) {
+  unsigned done = 0;  // bit l: level l considered
+  for (int l = 0; l < L; ++l) off[l] = -1;
+  int64_t used = 0;  // elements
+  for (int it = 0; it < L; ++it) {
+    int best = -1;
+    for (int l = 0; l < L; ++l) {
+      const bool smaller = best < 0 || int64_t(lv[l].H) * lv[l].W < int64_t(lv[best].H) * lv[best].W;
+      if (!(done >> l & 1u) && smaller) best = l;
+    }
+    done |= 1u << best;
+    const int64_t elems = int64_t(lv[best].H) * lv[best].W * D;
+    if (elems == 0) continue;
+    if ((used + elems) * elem_bytes > budget) break;  // larger levels will not fit either
+    off[best] = used;
+    used += elems;
+  }
+}
+
+template <typename T, typename LT, int VEC>
+__global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
+    persistent_forward_kernel(const ForwardParams p, const int lanes) {
+  using A = acc_t<T>;
+  const Problem& pb = p.pb;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* cache = reinterpret_cast<T*>(smem_raw);
+  __shared__ Level levels[kMaxLevels];
+  __shared__ int64_t cache_off[kMaxLevels];
+  __shared__ int s_tile;
+  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
+  __syncthreads();
+  if (threadIdx.x == 0) plan_cache(levels, pb.L, pb.D, sizeof(T), p.smem_budget, cache_off);
+  __syncthreads();
+
+  int* counters = static_cast<int*>(p.workspace);
+  const int queries_per_tile = kPThreads / lanes;
+  const int lane = threadIdx.x % lanes;
+  const int qi = threadIdx.x / lanes;
+  const int64_t NM = pb.N * pb.M;
+  const int64_t tiles = (pb.Lq + queries_per_tile - 1) / queries_per_tile;
+  const int64_t row_stride = pb.M * pb.D;
+  const int64_t LP = int64_t(pb.L) * pb.P;
+  const int vecs_per_px = static_cast<int>(pb.D / VEC);  // cache copy: D % VEC == 0
+
+  for (int64_t k = 0; k < NM; ++k) {
+    const int64_t nm = (blockIdx.x + k) % NM;
+    const int64_t n = nm / pb.M, m = nm % pb.M;
+    const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
+    bool loaded = false;
+    while (true) {
+      if (threadIdx.x == 0) s_tile = atomicAdd(counters + nm, 1);
+      __syncthreads();  // also: every thread is done with the previous tile
+      const int64_t tile = s_tile;
+      __syncthreads();  // everyone has read s_tile before it is written again
+      if (tile >= tiles) break;
+      if (!loaded) {
+        for (int l = 0; l < pb.L; ++l) {
+          if (cache_off[l] < 0) continue;
+          const T* src = vbase + levels[l].start * row_stride;
+          T* dst = cache + cache_off[l];
+          const int64_t units = int64_t(levels[l].H) * levels[l].W * vecs_per_px;
+          for (int64_t u = threadIdx.x; u < units; u += kPThreads) {
+            const int64_t px = u / vecs_per_px, c = (u % vecs_per_px) * VEC;
+            copy_vec<T, VEC>(dst + px * pb.D + c, src + px * row_stride + c);
+          }
+        }
+        __syncthreads();
+        loaded = true;
+      }
+      const int64_t q = tile * queries_per_tile + qi;
+      if (q >= pb.Lq) continue;
+      const int64_t group = (n * pb.Lq + q) * pb.M + m;
+      const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
+      const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
+      T* out = static_cast<T*>(p.out) + group * pb.D;
+      for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
+        A acc[VEC];
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] = A(0);
+        for (int l = 0; l < pb.L; ++l) {
+          const Level lv = levels[l];
+          A x, y, w;
+          if (cache_off[l] >= 0) {
+            const T* cl = cache + cache_off[l] + c;
+            auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec_shared<T, VEC>(cl + pix * pb.D, v); };
+            for (int pt = 0; pt < pb.P; ++pt) {
+              load_point(loc, attn, l * pb.P + pt, x, y, w);
+              accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
+            }
+          } else {
+            const T* gl = vbase + lv.start * row_stride + c;
+            auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec<T, VEC>(gl + pix * row_stride, v); };
+            for (int pt = 0; pt < pb.P; ++pt) {
+              load_point(loc, attn, l * pb.P + pt, x, y, w);
+              accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
+            }
+          }
+        }
+        store_vec<T, VEC>(out + c, acc);
+      }
+    }
+  }
+}
+
+struct DeviceLimits {
+  int sms = 0;
+  int smem_per_sm = 0;
+  int smem_optin = 0;
+  int smem_reserved = 0;
+};
+
+cudaError_t device_limits(DeviceLimits& d) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&d.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&d.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+  return err;
+}
+
+template <typename T, typename LT, int VEC>
+cudaError_t launch(ForwardParams p, cudaStream_t stream) {
+  auto kernel = persistent_forward_kernel<T, LT, VEC>;
+  DeviceLimits d;
+  cudaError_t err = device_limits(d);
+  if (err != cudaSuccess) return err;
+  cudaFuncAttributes attr;
+  err = cudaFuncGetAttributes(&attr, kernel);
+  if (err != cudaSuccess) return err;
+  // Default budget: the SM's shared memory split between kPBlocksPerSm blocks.
+  const int64_t per_block = d.smem_per_sm / kPBlocksPerSm - d.smem_reserved -
+                            static_cast<int64_t>(attr.sharedSizeBytes);
+  const int64_t cap = static_cast<int64_t>(d.smem_optin) - static_cast<int64_t>(attr.sharedSizeBytes);
+  int64_t budget = p.smem_budget >= 0 ? p.smem_budget : per_block;
+  budget = std::max<int64_t>(0, std::min(budget, cap)) / 16 * 16;
+  p.smem_budget = budget;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(budget));
+  if (err != cudaSuccess) return err;
+  int per_sm = 0;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPThreads,
+                                                      static_cast<size_t>(budget));
+  if (err != cudaSuccess) return err;
+  const int lanes = lanes_for(p.pb.D, VEC);
+  const int64_t tiles = (p.pb.Lq + kPThreads / lanes - 1) / (kPThreads / lanes);
+  const int64_t items = p.pb.N * p.pb.M * tiles;
+  const int64_t grid = std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms, items);
+  kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(budget), stream>>>(p, lanes);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int64_t persistent_workspace_bytes(const Problem& pb) { return pb.N * pb.M * int64_t(sizeof(int)); }
+
+cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
+    using T = typename decltype(t)::type;
+    using LT = typename decltype(lt)::type;
+    // 16-byte vectors for fp32 / fp64; 8-byte ones (4 channels) for 16-bit
+    // values, whose 16-byte gathers spill under the 64-register cap of two
+    // 512-thread blocks per SM. p.vec > 1 means 16-byte access is allowed,
+    // which implies 8-byte access is.
+    constexpr int kVec = sizeof(T) == 2 ? 4 : 16 / sizeof(T);
+    err = p.vec > 1 ? launch<T, LT, kVec>(p, stream) : launch<T, LT, 1>(p, stream);
+  });
+  return err;
+}
+
+}  // namespace msda::cuda
