@@ -2,12 +2,15 @@
 // once (SMs x resident blocks per SM, read from the device), each block taking
 // work until none is left.
 //
-// Work items are (batch n, head m, tile of consecutive queries). Every
+// Work items are (batch n, head m, tile of 32 consecutive queries). Every
 // (n, m) has its own atomic tile counter in a zeroed workspace (reset by the
-// binding with a memset on the stream: no host sync, CUDA-graph safe); a
-// block starts on (n, m) = blockIdx.x mod N*M, takes tiles from that counter
-// until it is exhausted, then moves on to the next (n, m). So a block keeps
-// one (n, m) for many consecutive tiles and loads its cache once per (n, m).
+// binding with a memset on the stream: no host sync, CUDA-graph safe). A
+// block starts on (n, m) = blockIdx.x mod N*M, loads that pair's cache, and
+// then each of its warps steals tiles from the pair's counter on its own (no
+// block barrier between tiles); once the counter is exhausted the block meets
+// at one barrier and moves on to the next (n, m) with work left. So a block
+// keeps one (n, m) for many consecutive tiles and loads its cache once per
+// (n, m).
 //
 // Cache: when a block starts on an (n, m) it copies into shared memory every
 // level of that (n, m) that fits in its budget, smallest levels first (the
@@ -27,8 +30,11 @@
 namespace msda::cuda {
 namespace {
 
-constexpr int kPThreads = 512;
-constexpr int kPBlocksPerSm = 2;  // target occupancy: the shared-memory budget is split for it
+// 2 blocks of 384 threads per SM: 768 threads, the baseline's occupancy, with
+// up to 85 registers a thread (16-byte gathers of 16-bit values fit).
+constexpr int kPThreads = 384;
+constexpr int kPBlocksPerSm = 2;  // the shared-memory budget is split for it
+constexpr int kTileQueries = 32;  // a warp's unit of work
 
 // Decides which levels to cache (smallest first, while they fit) and where.
 // One thread of the block calls it; off[l] = element offset of level l's pixel
@@ -62,18 +68,19 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
   T* cache = reinterpret_cast<T*>(smem_raw);
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cache_off[kMaxLevels];
-  __shared__ int s_tile;
+  __shared__ int s_more;
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
   if (threadIdx.x == 0) plan_cache(levels, pb.L, pb.D, sizeof(T), p.smem_budget, cache_off);
   __syncthreads();
 
   int* counters = static_cast<int*>(p.workspace);
-  const int queries_per_tile = kPThreads / lanes;
-  const int lane = threadIdx.x % lanes;
-  const int qi = threadIdx.x / lanes;
+  const int lane_in_warp = threadIdx.x % 32;
+  const int lane = lane_in_warp % lanes;         // channel slice
+  const int warp_q = lane_in_warp / lanes;        // query within a warp round
+  const int q_per_round = 32 / lanes;
   const int64_t NM = pb.N * pb.M;
-  const int64_t tiles = (pb.Lq + queries_per_tile - 1) / queries_per_tile;
+  const int64_t tiles = (pb.Lq + kTileQueries - 1) / kTileQueries;
   const int64_t row_stride = pb.M * pb.D;
   const int64_t LP = int64_t(pb.L) * pb.P;
   const int vecs_per_px = static_cast<int>(pb.D / VEC);  // cache copy: D % VEC == 0
@@ -81,60 +88,70 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
   for (int64_t k = 0; k < NM; ++k) {
     const int64_t nm = (blockIdx.x + k) % NM;
     const int64_t n = nm / pb.M, m = nm % pb.M;
+    // Skip (batch, head) pairs other blocks have finished, without loading
+    // their cache. (A pair running out between this look and the first tile
+    // costs one wasted cache load, nothing else.)
+    if (threadIdx.x == 0) s_more = *reinterpret_cast<volatile int*>(counters + nm) < tiles;
+    __syncthreads();
+    const bool more = s_more;
+    if (!more) {
+      __syncthreads();  // s_more is rewritten next iteration
+      continue;
+    }
     const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
-    bool loaded = false;
-    while (true) {
-      if (threadIdx.x == 0) s_tile = atomicAdd(counters + nm, 1);
-      __syncthreads();  // also: every thread is done with the previous tile
-      const int64_t tile = s_tile;
-      __syncthreads();  // everyone has read s_tile before it is written again
-      if (tile >= tiles) break;
-      if (!loaded) {
-        for (int l = 0; l < pb.L; ++l) {
-          if (cache_off[l] < 0) continue;
-          const T* src = vbase + levels[l].start * row_stride;
-          T* dst = cache + cache_off[l];
-          const int64_t units = int64_t(levels[l].H) * levels[l].W * vecs_per_px;
-          for (int64_t u = threadIdx.x; u < units; u += kPThreads) {
-            const int64_t px = u / vecs_per_px, c = (u % vecs_per_px) * VEC;
-            copy_vec<T, VEC>(dst + px * pb.D + c, src + px * row_stride + c);
-          }
-        }
-        __syncthreads();
-        loaded = true;
-      }
-      const int64_t q = tile * queries_per_tile + qi;
-      if (q >= pb.Lq) continue;
-      const int64_t group = (n * pb.Lq + q) * pb.M + m;
-      const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
-      const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
-      T* out = static_cast<T*>(p.out) + group * pb.D;
-      for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
-        A acc[VEC];
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-        for (int l = 0; l < pb.L; ++l) {
-          const Level lv = levels[l];
-          A x, y, w;
-          if (cache_off[l] >= 0) {
-            const T* cl = cache + cache_off[l] + c;
-            auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec_shared<T, VEC>(cl + pix * pb.D, v); };
-            for (int pt = 0; pt < pb.P; ++pt) {
-              load_point(loc, attn, l * pb.P + pt, x, y, w);
-              accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
-            }
-          } else {
-            const T* gl = vbase + lv.start * row_stride + c;
-            auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec<T, VEC>(gl + pix * row_stride, v); };
-            for (int pt = 0; pt < pb.P; ++pt) {
-              load_point(loc, attn, l * pb.P + pt, x, y, w);
-              accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
-            }
-          }
-        }
-        store_vec<T, VEC>(out + c, acc);
+    for (int l = 0; l < pb.L; ++l) {
+      if (cache_off[l] < 0) continue;
+      const T* src = vbase + levels[l].start * row_stride;
+      T* dst = cache + cache_off[l];
+      const int64_t units = int64_t(levels[l].H) * levels[l].W * vecs_per_px;
+      for (int64_t u = threadIdx.x; u < units; u += kPThreads) {
+        const int64_t px = u / vecs_per_px, c = (u % vecs_per_px) * VEC;
+        copy_vec<T, VEC>(dst + px * pb.D + c, src + px * row_stride + c);
       }
     }
+    __syncthreads();
+
+    // Each warp steals kTileQueries-query tiles of this (n, m) on its own.
+    while (true) {
+      int tile = 0;
+      if (lane_in_warp == 0) tile = atomicAdd(counters + nm, 1);
+      tile = __shfl_sync(0xffffffffu, tile, 0);
+      if (tile >= tiles) break;
+      for (int r = 0; r < kTileQueries; r += q_per_round) {
+        const int64_t q = int64_t(tile) * kTileQueries + r + warp_q;
+        if (q >= pb.Lq || warp_q >= q_per_round) continue;
+        const int64_t group = (n * pb.Lq + q) * pb.M + m;
+        const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
+        const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
+        T* out = static_cast<T*>(p.out) + group * pb.D;
+        for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
+          A acc[VEC];
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[e] = A(0);
+          for (int l = 0; l < pb.L; ++l) {
+            const Level lv = levels[l];
+            A x, y, w;
+            if (cache_off[l] >= 0) {
+              const T* cl = cache + cache_off[l] + c;
+              auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec_shared<T, VEC>(cl + pix * pb.D, v); };
+              for (int pt = 0; pt < pb.P; ++pt) {
+                load_point(loc, attn, l * pb.P + pt, x, y, w);
+                accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
+              }
+            } else {
+              const T* gl = vbase + lv.start * row_stride + c;
+              auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec<T, VEC>(gl + pix * row_stride, v); };
+              for (int pt = 0; pt < pb.P; ++pt) {
+                load_point(loc, attn, l * pb.P + pt, x, y, w);
+                accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
+              }
+            }
+          }
+          store_vec<T, VEC>(out + c, acc);
+        }
+      }
+    }
+    __syncthreads();  // every warp is done with this cache before it is reloaded
   }
 }
 
@@ -182,9 +199,10 @@ cudaError_t launch(ForwardParams p, cudaStream_t stream) {
                                                       static_cast<size_t>(budget));
   if (err != cudaSuccess) return err;
   const int lanes = lanes_for(p.pb.D, VEC);
-  const int64_t tiles = (p.pb.Lq + kPThreads / lanes - 1) / (kPThreads / lanes);
-  const int64_t items = p.pb.N * p.pb.M * tiles;
-  const int64_t grid = std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms, items);
+  const int64_t tiles = (p.pb.Lq + kTileQueries - 1) / kTileQueries;
+  const int64_t warps = p.pb.N * p.pb.M * tiles;  // work for this many warps at most
+  const int64_t grid = std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms,
+                                         (warps + kPThreads / 32 - 1) / (kPThreads / 32));
   kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(budget), stream>>>(p, lanes);
   return cudaGetLastError();
 }
@@ -198,12 +216,8 @@ cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream) {
   dispatch_dtypes(p.pb, [&](auto t, auto lt) {
     using T = typename decltype(t)::type;
     using LT = typename decltype(lt)::type;
-    // 16-byte vectors for fp32 / fp64; 8-byte ones (4 channels) for 16-bit
-    // values, whose 16-byte gathers spill under the 64-register cap of two
-    // 512-thread blocks per SM. p.vec > 1 means 16-byte access is allowed,
-    // which implies 8-byte access is.
-    constexpr int kVec = sizeof(T) == 2 ? 4 : 16 / sizeof(T);
-    err = p.vec > 1 ? launch<T, LT, kVec>(p, stream) : launch<T, LT, 1>(p, stream);
+    constexpr int kVec = 16 / sizeof(T);
+    err = p.vec == kVec ? launch<T, LT, kVec>(p, stream) : launch<T, LT, 1>(p, stream);
   });
   return err;
 }
