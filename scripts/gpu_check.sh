@@ -46,6 +46,15 @@ for stage in $STAGES; do
         $PY scripts/diag_exception.py; echo "exit $?"
         cuda-gdb -batch -ex run -ex bt --args $PY scripts/diag_exception.py 2>&1 | tail -40
       } > "$OUT/diag.txt" 2>&1; tail -60 "$OUT/diag.txt" ;;
+    profile)
+      # Nsight Compute on one forward per backend and the backward (ddetr_enc
+      # by default; PROFILE_ARGS="workload dtype").
+      ncu --clock-control none --profile-from-start off -k regex:"forward|backward" \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
+        --section Occupancy --section LaunchStats --section SchedulerStats \
+        --metrics l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,lts__t_sector_hit_rate.pct,smsp__inst_executed.sum,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum \
+        $PY scripts/profile_kernels.py ${PROFILE_ARGS:-} > "$OUT/ncu.txt" 2>&1 || status=1
+      grep -E "forward_kernel|backward_kernel|Duration|Throughput|Hit Rate|Achieved Occupancy|Stall|wavefronts|requests|sectors|inst_executed|No Eligible|Issued Warp" "$OUT/ncu.txt" | head -150 ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;

@@ -44,8 +44,7 @@ def test_many_tiles_per_block():
     assert rel_err(out, reference64(*inputs)) <= TOL[torch.bfloat16]
 
 
-def test_auto_prefers_persistent_for_encoders_only():
+def test_auto_picks_an_available_backend_that_auto_may_pick():
+    # persistent is measured slower than baseline (BENCHMARKS.md): auto leaves it alone.
     enc = make_inputs(1, 5000, 8, 32, SHAPES, 4, torch.bfloat16, torch.float32, device="cuda")
-    dec = make_inputs(1, 300, 8, 32, SHAPES, 4, torch.bfloat16, torch.float32, device="cuda")
-    assert msda.select_backend(*enc) == "persistent"
-    assert msda.select_backend(*dec) == "baseline"
+    assert msda.select_backend(*enc) == "baseline"
