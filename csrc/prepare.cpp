@@ -101,6 +101,8 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   TORCH_CHECK(pb.M >= 1, kOp, "value.size(2) (heads M) must be >= 1, got ", pb.M);
   TORCH_CHECK(pb.D >= 1, kOp, "value.size(3) (channels D) must be >= 1, got ", pb.D);
   TORCH_CHECK(pb.P >= 1, kOp, "sampling_locations.size(4) (points P) must be >= 1, got ", pb.P);
+  TORCH_CHECK(pb.M * pb.D <= INT32_MAX, kOp, "value.size(2) * value.size(3) (M * D) must be < 2^31, got ",
+              pb.M * pb.D);
   check_size(level_start_index, "level_start_index", 0, "levels L", pb.L, "spatial_shapes.size(0)");
   check_size(sampling_locations, "sampling_locations", 0, "batch N", pb.N, "value.size(0)");
   check_size(sampling_locations, "sampling_locations", 2, "heads M", pb.M, "value.size(2)");
@@ -129,8 +131,8 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
       const int64_t H = sh[2 * l], W = sh[2 * l + 1];
       TORCH_CHECK(H > 0 && W > 0, kOp, "spatial_shapes[", l, "] = (", H, ", ", W,
                   ") must be positive (H, W)");
-      TORCH_CHECK(H <= INT32_MAX && W <= INT32_MAX, kOp, "spatial_shapes[", l, "] = (", H, ", ",
-                  W, ") exceeds 2^31 - 1");
+      TORCH_CHECK(H * W <= INT32_MAX, kOp, "spatial_shapes[", l, "] = (", H, ", ", W,
+                  "): H * W must be < 2^31");
       TORCH_CHECK(st[l] == total, kOp, "level_start_index[", l,
                   "] must be the exclusive cumulative sum of H * W, expected ", total, ", got ",
                   st[l]);

@@ -24,6 +24,7 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = static_cast<int>(tid % lanes);
   const int64_t m = group % pb.M, n = group / (pb.Lq * pb.M);
   const int64_t row_stride = pb.M * pb.D;  // elements between neighbouring pixels
+  const int stride = static_cast<int>(row_stride);  // M * D < 2^31 (checked by the binding)
   const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
   const int64_t LP = int64_t(pb.L) * pb.P;
   const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int l = 0; l < pb.L; ++l) {
       const Level lv = levels[l];
       const T* vl = vbase + lv.start * row_stride + c;
-      auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec<T, VEC>(vl + pix * row_stride, v); };
+      auto fetch = [&](int pix, A(&v)[VEC]) { load_vec<T, VEC>(vl + pixel_offset(pix, stride), v); };
       for (int pt = 0; pt < pb.P; ++pt) {
         A x, y, w;
         load_point(loc, attn, l * pb.P + pt, x, y, w);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../params.h"
 #include "../sampling.h"
@@ -35,23 +36,35 @@ template <> struct RawVec<8> { using type = uint2; };
 template <> struct RawVec<4> { using type = unsigned int; };
 template <> struct RawVec<2> { using type = unsigned short; };
 
+// Converts N raw elements to the accumulation type. bf16 pairs are widened
+// with one shift or mask per element (the generic path costs two).
+template <typename T, int N, typename R>
+__device__ __forceinline__ void unpack(const R& raw, acc_t<T> (&out)[N]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && N % 2 == 0) {
+    const unsigned* words = reinterpret_cast<const unsigned*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      out[2 * i] = __uint_as_float(words[i] << 16);
+      out[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+  } else {
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_acc(e[i]);
+  }
+}
+
 template <typename T, int N>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, acc_t<T> (&out)[N]) {
   using R = typename RawVec<sizeof(T) * N>::type;
-  const R raw = __ldg(reinterpret_cast<const R*>(p));
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_acc(e[i]);
+  unpack<T, N>(__ldg(reinterpret_cast<const R*>(p)), out);
 }
 
 // Same from shared memory (no read-only-cache path there).
 template <typename T, int N>
 __device__ __forceinline__ void load_vec_shared(const T* p, acc_t<T> (&out)[N]) {
   using R = typename RawVec<sizeof(T) * N>::type;
-  const R raw = *reinterpret_cast<const R*>(p);
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = to_acc(e[i]);
+  unpack<T, N>(*reinterpret_cast<const R*>(p), out);
 }
 
 // Raw copy of N elements (no conversion), e.g. global -> shared.
@@ -110,6 +123,12 @@ __device__ __forceinline__ void load_xy(const LT* p, A (&xy)[2]) {
   xy[1] = A(raw[1]);
 }
 
+// Element offset of pixel `pix` at `stride` elements a pixel: both are
+// non-negative 32-bit values, so one 32x32 -> 64-bit multiply does it.
+__device__ __forceinline__ uint64_t pixel_offset(int pix, int stride) {
+  return static_cast<uint64_t>(static_cast<unsigned>(pix)) * static_cast<unsigned>(stride);
+}
+
 // ---- level metadata --------------------------------------------------------
 struct Level {
   int H, W;
@@ -124,8 +143,8 @@ __device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
                                             const int64_t* starts, int L, int64_t S) {
   for (int l = threadIdx.x; l < L; l += blockDim.x) {
     const int64_t H = shapes[2 * l], W = shapes[2 * l + 1], st = starts[l];
-    const bool ok = H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && st >= 0 &&
-                    st <= S && H * W <= S - st;
+    const bool ok = H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX &&
+                    st >= 0 && st <= S && H * W <= S - st;
     lv[l] = ok ? Level{int(H), int(W), st} : Level{0, 0, 0};
   }
 }

@@ -82,6 +82,8 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
   const int64_t NM = pb.N * pb.M;
   const int64_t tiles = (pb.Lq + kTileQueries - 1) / kTileQueries;
   const int64_t row_stride = pb.M * pb.D;
+  const int stride = static_cast<int>(row_stride);  // M * D < 2^31 (checked by the binding)
+  const int d32 = static_cast<int>(pb.D);
   const int64_t LP = int64_t(pb.L) * pb.P;
   const int vecs_per_px = static_cast<int>(pb.D / VEC);  // cache copy: D % VEC == 0
 
@@ -133,14 +135,14 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
             A x, y, w;
             if (cache_off[l] >= 0) {
               const T* cl = cache + cache_off[l] + c;
-              auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec_shared<T, VEC>(cl + pix * pb.D, v); };
+              auto fetch = [&](int pix, A(&v)[VEC]) { load_vec_shared<T, VEC>(cl + pixel_offset(pix, d32), v); };
               for (int pt = 0; pt < pb.P; ++pt) {
                 load_point(loc, attn, l * pb.P + pt, x, y, w);
                 accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
               }
             } else {
               const T* gl = vbase + lv.start * row_stride + c;
-              auto fetch = [&](int64_t pix, A(&v)[VEC]) { load_vec<T, VEC>(gl + pix * row_stride, v); };
+              auto fetch = [&](int pix, A(&v)[VEC]) { load_vec<T, VEC>(gl + pixel_offset(pix, stride), v); };
               for (int pt = 0; pt < pb.P; ++pt) {
                 load_point(loc, attn, l * pb.P + pt, x, y, w);
                 accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
