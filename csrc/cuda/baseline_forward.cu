@@ -37,6 +37,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < VEC; ++e) acc[e] = A(0);
     for (int l = 0; l < pb.L; ++l) {
       const Level lv = levels[l];
+      if (lv.H == 0) continue;  // level rejected by load_levels
       const T* vl = vbase + lv.start * row_stride + c;
       auto fetch = [&](int pix, A(&v)[VEC]) { load_vec<T, VEC>(vl + pixel_offset(pix, stride), v); };
       for (int pt = 0; pt < pb.P; ++pt) {

@@ -13,7 +13,8 @@ namespace msda::cuda {
 // Written for few instructions per sample (the forward is issue-bound): the
 // four corners are clamped into the map and a corner outside it gets weight
 // 0 instead of a branch, so the four loads issue back to back with no
-// zeroing; pixel indices are 32-bit.
+// zeroing; pixel indices are 32-bit. Requires H, W >= 1: callers skip the
+// empty levels load_levels() makes of levels that do not fit in value.
 template <typename A, int VEC, typename Fetch>
 __device__ __forceinline__ void accumulate_sample(A (&acc)[VEC], A x, A y, A w, int H, int W,
                                                   Fetch&& fetch) {

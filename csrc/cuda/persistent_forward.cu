@@ -132,6 +132,7 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
           for (int e = 0; e < VEC; ++e) acc[e] = A(0);
           for (int l = 0; l < pb.L; ++l) {
             const Level lv = levels[l];
+            if (lv.H == 0) continue;  // level rejected by load_levels
             A x, y, w;
             if (cache_off[l] >= 0) {
               const T* cl = cache + cache_off[l] + c;
