@@ -10,7 +10,8 @@ level_start_index (L,) int64, sampling_locations (N, Lq, M, L, P, 2) in
 """
 from . import _ops  # noqa: F401  (loads the extension, registers fake and autograd)
 from ._ops import available_backends, ms_deform_attn, select_backend
-from . import reference
+from . import compat, nn, reference, workloads
 
-__all__ = ["ms_deform_attn", "available_backends", "select_backend", "reference"]
+__all__ = ["ms_deform_attn", "available_backends", "select_backend", "reference", "nn", "compat",
+           "workloads"]
 __version__ = "0.1.0"

@@ -1,0 +1,39 @@
+// Autocast kernels: under torch.autocast the operator takes the value as it
+// comes (the projection that made it already ran in the autocast dtype) and
+// sampling locations / attention weights in float32, whatever dtype they
+// arrive in. Any mix of input dtypes a model produces under autocast is
+// thereby one the kernels accept, and locations keep fp32 precision.
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+namespace msda {
+namespace {
+
+at::Tensor to_fp32(const at::Tensor& t) {
+  return (t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16) ? t.to(at::kFloat) : t;
+}
+
+template <c10::DispatchKey key>
+at::Tensor forward_autocast(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                            const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                            const at::Tensor& attention_weights, c10::string_view backend) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&, c10::string_view)>();
+  return op.call(value, spatial_shapes, level_start_index, to_fp32(sampling_locations),
+                 to_fp32(attention_weights), backend);
+}
+
+}  // namespace
+}  // namespace msda
+
+TORCH_LIBRARY_IMPL(ms_deform_attn, AutocastCUDA, m) {
+  m.impl("ms_deform_attn", &msda::forward_autocast<c10::DispatchKey::AutocastCUDA>);
+}
+
+TORCH_LIBRARY_IMPL(ms_deform_attn, AutocastCPU, m) {
+  m.impl("ms_deform_attn", &msda::forward_autocast<c10::DispatchKey::AutocastCPU>);
+}

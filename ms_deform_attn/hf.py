@@ -1,0 +1,78 @@
+"""Hugging Face transformers integration.
+
+`MultiScaleDeformableAttention` has exactly the forward signature transformers
+calls on its own `MultiScaleDeformableAttention` layer (DeformableDetr,
+RT-DETR, Grounding DINO, and the other models with such a layer), so it can
+be put in its place; `swap_msda(model)` does that for a whole model without
+network access, and also routes Mask2Former / OneFormer, which call a
+module-level `multi_scale_deformable_attention` function, to the operator.
+"""
+from __future__ import annotations
+
+import sys
+from typing import List, Tuple
+
+import torch
+from torch import nn
+
+from ._ops import ms_deform_attn
+from .compat import multi_scale_deformable_attn_pytorch
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    """Parameter-free MSDA layer with transformers' forward signature.
+    `value_spatial_shapes_list` (host-side (H, W) pairs) and `im2col_step`
+    are accepted; the device tensor `value_spatial_shapes` is what the
+    operator reads."""
+
+    def __init__(self, backend: str = "auto"):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, value: torch.Tensor, value_spatial_shapes: torch.Tensor,
+                value_spatial_shapes_list: List[Tuple[int, int]], level_start_index: torch.Tensor,
+                sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
+                im2col_step: int = 64) -> torch.Tensor:
+        return ms_deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
+                              attention_weights, backend=self.backend)
+
+
+def multi_scale_deformable_attention(value, value_spatial_shapes, sampling_locations,
+                                     attention_weights):
+    """Replacement for transformers' module-level function of that name
+    (Mask2Former, OneFormer)."""
+    return multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_locations,
+                                               attention_weights)
+
+
+# Models whose modelling file calls a module-level function instead of a layer.
+_FUNCTION_MODULES = (
+    "transformers.models.mask2former.modeling_mask2former",
+    "transformers.models.oneformer.modeling_oneformer",
+)
+
+
+def swap_msda(model: nn.Module, backend: str = "auto") -> int:
+    """Puts this package's operator under every MSDA of a transformers model.
+
+    Replaces each `MultiScaleDeformableAttention` submodule defined by
+    transformers with `MultiScaleDeformableAttention(backend)` and, for models
+    defined in a modelling file that calls a module-level
+    `multi_scale_deformable_attention` (Mask2Former, OneFormer), points that
+    name at the operator (this affects every model of that family in the
+    process). Returns the number of places swapped.
+    """
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            cls = type(child)
+            if cls.__name__ == "MultiScaleDeformableAttention" and cls.__module__.startswith("transformers."):
+                setattr(parent, name, MultiScaleDeformableAttention(backend))
+                swapped += 1
+    families = {type(m).__module__ for m in model.modules()}
+    for modname in _FUNCTION_MODULES:
+        module = sys.modules.get(modname)
+        if module is not None and modname in families:
+            module.multi_scale_deformable_attention = multi_scale_deformable_attention
+            swapped += 1
+    return swapped

@@ -1,0 +1,119 @@
+"""Drop-in modules.
+
+`MSDeformAttn` is the Deformable DETR module (models/ops/modules/ms_deform_attn.py
+there): the same parameter names and shapes (so a state_dict loads with
+strict=True), the same initialisation and the same forward signature, running
+on this package's operator.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._ops import ms_deform_attn
+from .reference import ms_deform_attn_pytorch
+
+
+class MSDeformAttn(nn.Module):
+    """Multi-scale deformable attention module of Deformable DETR.
+
+    Args:
+        d_model: hidden size.
+        n_levels: feature levels.
+        n_heads: attention heads (d_model must be divisible by it).
+        n_points: sampling points per head and level.
+        backend: operator backend ("auto", a name from available_backends(),
+            or "pytorch" for the grid_sample reference).
+    """
+
+    def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
+                 backend: str = "auto"):
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}")
+        d_head = d_model // n_heads
+        if d_head & (d_head - 1):
+            warnings.warn("d_model / n_heads is not a power of 2; the kernels run fastest when "
+                          "the channels per head are a multiple of 8", stacklevel=2)
+        self.im2col_step = 64  # kept for code that reads it; the operator has no such limit
+        self.d_model = d_model
+        self.n_levels = n_levels
+        self.n_heads = n_heads
+        self.n_points = n_points
+        self.backend = backend
+        self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
+        self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
+        self.value_proj = nn.Linear(d_model, d_model)
+        self.output_proj = nn.Linear(d_model, d_model)
+        self._reset_parameters()
+
+    def _reset_parameters(self):
+        nn.init.constant_(self.sampling_offsets.weight, 0.0)
+        # Head h starts looking along angle 2 pi h / n_heads, scaled onto the
+        # unit square; point p of every level sits (p + 1) steps out.
+        angles = torch.arange(self.n_heads, dtype=torch.float32) * (2.0 * math.pi / self.n_heads)
+        directions = torch.stack([angles.cos(), angles.sin()], -1)
+        directions = directions / directions.abs().max(-1, keepdim=True)[0]
+        steps = torch.arange(1, self.n_points + 1, dtype=torch.float32).view(1, 1, -1, 1)
+        grid = directions.view(self.n_heads, 1, 1, 2) * steps
+        grid = grid.expand(self.n_heads, self.n_levels, self.n_points, 2)
+        with torch.no_grad():
+            self.sampling_offsets.bias.copy_(grid.reshape(-1))
+        nn.init.constant_(self.attention_weights.weight, 0.0)
+        nn.init.constant_(self.attention_weights.bias, 0.0)
+        nn.init.xavier_uniform_(self.value_proj.weight)
+        nn.init.constant_(self.value_proj.bias, 0.0)
+        nn.init.xavier_uniform_(self.output_proj.weight)
+        nn.init.constant_(self.output_proj.bias, 0.0)
+
+    def forward(self, query: torch.Tensor, reference_points: torch.Tensor,
+                input_flatten: torch.Tensor, input_spatial_shapes: torch.Tensor,
+                input_level_start_index: torch.Tensor,
+                input_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """
+        Args:
+            query: (N, Lq, d_model).
+            reference_points: (N, Lq, n_levels, 2) normalised points in [0, 1],
+                or (N, Lq, n_levels, 4) boxes (cx, cy, w, h).
+            input_flatten: (N, S, d_model), the flattened levels.
+            input_spatial_shapes: (n_levels, 2) int64 (H, W).
+            input_level_start_index: (n_levels,) int64.
+            input_padding_mask: (N, S) bool, True at padding.
+        Returns:
+            (N, Lq, d_model).
+        """
+        n, lq, _ = query.shape
+        _, s, _ = input_flatten.shape
+        value = self.value_proj(input_flatten)
+        if input_padding_mask is not None:
+            value = value.masked_fill(input_padding_mask[..., None], 0.0)
+        value = value.view(n, s, self.n_heads, self.d_model // self.n_heads)
+        offsets = self.sampling_offsets(query).view(n, lq, self.n_heads, self.n_levels,
+                                                    self.n_points, 2)
+        weights = self.attention_weights(query).view(n, lq, self.n_heads,
+                                                     self.n_levels * self.n_points)
+        weights = F.softmax(weights, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
+        if reference_points.shape[-1] == 2:
+            # Offsets are in pixels of each level: divide by (W, H).
+            normalizer = torch.stack([input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]], -1)
+            locations = (reference_points[:, :, None, :, None, :]
+                         + offsets / normalizer[None, None, None, :, None, :])
+        elif reference_points.shape[-1] == 4:
+            # Offsets are in units of half the box size, over n_points.
+            locations = (reference_points[:, :, None, :, None, :2]
+                         + offsets / self.n_points * reference_points[:, :, None, :, None, 2:] * 0.5)
+        else:
+            raise ValueError("reference_points.shape[-1] must be 2 or 4, got "
+                             f"{reference_points.shape[-1]}")
+        if self.backend == "pytorch":
+            output = ms_deform_attn_pytorch(value, input_spatial_shapes, input_level_start_index,
+                                            locations, weights)
+        else:
+            output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
+                                    locations, weights, backend=self.backend)
+        return self.output_proj(output)

@@ -1,0 +1,277 @@
+"""Drop-in layers: Deformable DETR module, compat functions, HF transformers;
+AMP, torch.compile, CUDA graphs and torch.export around them."""
+import math
+
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from ms_deform_attn.compat import (MSDeformAttnFunction, MultiScaleDeformableAttnFunction,
+                                   multi_scale_deformable_attn_pytorch)
+from ms_deform_attn.nn import MSDeformAttn
+from ms_deform_attn.reference import ms_deform_attn_pytorch
+from ms_deform_attn.workloads import level_tensors
+from helpers import TOL, device_backends, make_inputs, rel_err
+
+LEVELS = [(12, 15), (6, 8), (3, 4)]
+
+
+def module_inputs(device, n=2, lq=17, d_model=64, boxes=False, mask=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes, start = level_tensors(LEVELS, device)
+    s = sum(h * w for h, w in LEVELS)
+    query = torch.randn(n, lq, d_model, generator=g).to(device)
+    flat = torch.randn(n, s, d_model, generator=g).to(device)
+    ref = torch.rand(n, lq, len(LEVELS), 4 if boxes else 2, generator=g).to(device)
+    if boxes:
+        ref[..., 2:] = ref[..., 2:] * 0.5 + 0.05
+    pad = (torch.rand(n, s, generator=g) < 0.2).to(device) if mask else None
+    return query, ref, flat, shapes, start, pad
+
+
+def make_pair(device, backend, d_model=64, n_heads=8, n_points=3):
+    torch.manual_seed(1)
+    ours = MSDeformAttn(d_model, len(LEVELS), n_heads, n_points, backend=backend).to(device)
+    # Random weights so that the comparison exercises every parameter.
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.2)
+    ref = MSDeformAttn(d_model, len(LEVELS), n_heads, n_points, backend="pytorch").to(device)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    return ours, ref
+
+
+def test_state_dict_of_the_deformable_detr_module_loads_strictly():
+    # Names and shapes of Deformable DETR's MSDeformAttn(256, 4, 8, 4).
+    sd = {
+        "sampling_offsets.weight": torch.randn(256, 256), "sampling_offsets.bias": torch.randn(256),
+        "attention_weights.weight": torch.randn(128, 256), "attention_weights.bias": torch.randn(128),
+        "value_proj.weight": torch.randn(256, 256), "value_proj.bias": torch.randn(256),
+        "output_proj.weight": torch.randn(256, 256), "output_proj.bias": torch.randn(256),
+    }
+    m = MSDeformAttn()
+    m.load_state_dict(sd, strict=True)
+    assert torch.equal(m.sampling_offsets.bias, sd["sampling_offsets.bias"])
+
+
+def test_initialisation_matches_deformable_detr():
+    m = MSDeformAttn(256, 4, 8, 4)
+    bias = m.sampling_offsets.bias.view(8, 4, 4, 2)
+    # Head 0 looks along +x, head 2 along +y, head 4 along -x; point p is p + 1 steps out.
+    torch.testing.assert_close(bias[0, 2, :, 0], torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    torch.testing.assert_close(bias[2, 1, 3], torch.tensor([0.0, 4.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(bias[4, 0, 1], torch.tensor([-2.0, 0.0]), atol=1e-6, rtol=0)
+    # Head 1 (45 degrees): both components scaled to 1.
+    torch.testing.assert_close(bias[1, 3, 0], torch.tensor([1.0, 1.0]))
+    assert m.sampling_offsets.weight.abs().sum() == 0
+    assert m.attention_weights.weight.abs().sum() == 0 and m.attention_weights.bias.abs().sum() == 0
+    assert m.value_proj.bias.abs().sum() == 0 and m.output_proj.bias.abs().sum() == 0
+    bound = math.sqrt(6.0 / (256 + 256))  # xavier_uniform
+    assert m.value_proj.weight.abs().max() <= bound
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
+@pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
+def test_module_matches_reference_module(device, backend, boxes, mask):
+    ours, ref = make_pair(device, "auto" if backend == "cpu" else backend)
+    args = module_inputs(device, boxes=boxes, mask=mask)
+    out = ours(*args)
+    expected = ref(*args)
+    assert out.shape == expected.shape
+    assert rel_err(out, expected.double()) <= 1e-5
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert rel_err(p.grad, q.grad.double()) <= 1e-4, name
+
+
+def test_bad_reference_points():
+    m = MSDeformAttn(64, len(LEVELS), 8, 3)
+    query, ref, flat, shapes, start, _ = module_inputs("cpu", boxes=True)
+    with pytest.raises(ValueError, match="must be 2 or 4, got 3"):
+        m(query, ref[..., :3], flat, shapes, start)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("fn", [MSDeformAttnFunction, MultiScaleDeformableAttnFunction],
+                         ids=["MSDeformAttnFunction", "MultiScaleDeformableAttnFunction"])
+def test_function_compat(device, backend, fn):
+    inputs = make_inputs(3, 20, 8, 32, LEVELS, 4, torch.float32, device=device, requires_grad=True)
+    out = fn.apply(*inputs, 5)  # an im2col_step that divides nothing: no limit
+    expected = msda.ms_deform_attn(*inputs)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (inputs[0], inputs[3], inputs[4]), g)
+    expected_grads = torch.autograd.grad(expected, (inputs[0], inputs[3], inputs[4]), g)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("as_list", [False, True], ids=["tensor", "list"])
+def test_mmcv_style_function(device, backend, as_list):
+    value, shapes, start, loc, attn = make_inputs(2, 11, 4, 16, LEVELS, 2, torch.float64,
+                                                  device=device)
+    spatial = LEVELS if as_list else shapes
+    out = multi_scale_deformable_attn_pytorch(value, spatial, loc, attn)
+    expected = ms_deform_attn_pytorch(value, shapes, start, loc, attn)
+    assert rel_err(out, expected) <= 1e-12
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_autocast_module(device, backend):
+    ours, ref = make_pair(device, "auto" if backend == "cpu" else backend)
+    args = module_inputs(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = ours(*args)
+    assert out.dtype == torch.bfloat16
+    expected = ref(*args)
+    # bf16 projections and bf16 value: within bf16 error of the fp32 module.
+    assert rel_err(out.float(), expected.double()) <= 3e-2
+    out.float().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ours.parameters())
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_autocast_accepts_any_input_mix(device, backend):
+    value, shapes, start, loc, attn = make_inputs(2, 9, 4, 16, LEVELS, 2, torch.float32,
+                                                  device=device)
+    # bf16 locations with an fp32 value: refused outside autocast...
+    with pytest.raises(RuntimeError, match="sampling_locations must have the value's dtype"):
+        msda.ms_deform_attn(value, shapes, start, loc.bfloat16(), attn)
+    # ...accepted under it (locations upcast to fp32).
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out = msda.ms_deform_attn(value, shapes, start, loc.bfloat16(), attn.half())
+    assert out.dtype == torch.float32
+    expected = ms_deform_attn_pytorch(value.double(), shapes, start, loc.bfloat16().double(),
+                                      attn.half().double())
+    assert rel_err(out, expected) <= TOL[torch.float32]
+
+
+class TinyEncoder(torch.nn.Module):
+    """Two Deformable-DETR-style encoder layers."""
+
+    def __init__(self, d_model=64, backend="auto"):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            [MSDeformAttn(d_model, len(LEVELS), 8, 3, backend=backend) for _ in range(2)])
+        self.norms = torch.nn.ModuleList([torch.nn.LayerNorm(d_model) for _ in range(2)])
+
+    def forward(self, src, ref, shapes, start):
+        for attn, norm in zip(self.layers, self.norms):
+            src = norm(src + attn(src, ref, src, shapes, start))
+        return src
+
+
+def encoder_inputs(device):
+    shapes, start = level_tensors(LEVELS, device)
+    s = sum(h * w for h, w in LEVELS)
+    src = torch.randn(2, s, 64, device=device)
+    ref = torch.rand(2, s, len(LEVELS), 2, device=device)
+    return src, ref, shapes, start
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_compile_module_and_model_fullgraph(device, backend):
+    torch._dynamo.reset()
+    be = "auto" if backend == "cpu" else backend
+    compiler = "aot_eager" if device == "cpu" else "inductor"
+    ours, _ = make_pair(device, be)
+    args = module_inputs(device, mask=True)
+    compiled = torch.compile(ours, fullgraph=True, backend=compiler)
+    torch.testing.assert_close(compiled(*args), ours(*args), rtol=1e-4, atol=1e-5)
+    model = TinyEncoder(backend=be).to(device)
+    inputs = encoder_inputs(device)
+    compiled_model = torch.compile(model, fullgraph=True, backend=compiler)
+    out = compiled_model(*inputs)
+    torch.testing.assert_close(out, model(*inputs), rtol=1e-4, atol=1e-4)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_export_has_one_op_node(device, backend):
+    model = TinyEncoder(backend="auto" if backend == "cpu" else backend).to(device).eval()
+    ep = torch.export.export(model, encoder_inputs(device))
+    nodes = [n for n in ep.graph.nodes
+             if n.op == "call_function" and n.target == torch.ops.ms_deform_attn.ms_deform_attn.default]
+    assert len(nodes) == 2  # one per layer
+    inputs = encoder_inputs(device)
+    torch.testing.assert_close(ep.module()(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("device,backend", [p for p in device_backends() if p.values[0] == "cuda"])
+def test_cuda_graph_training_step(device, backend):
+    model = TinyEncoder(backend=backend).to(device)
+    static = encoder_inputs(device)
+
+    def step():
+        model.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(*static).float().square().mean()
+        loss.backward()
+        return loss
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    fresh = encoder_inputs(device)
+    static[0].copy_(fresh[0])
+    static[1].copy_(fresh[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    graph_grads = [p.grad.clone() for p in model.parameters()]
+    eager_loss = step()
+    torch.testing.assert_close(static_loss, eager_loss, rtol=1e-3, atol=1e-4)
+    for a, p in zip(graph_grads, model.parameters()):
+        torch.testing.assert_close(a, p.grad, rtol=2e-2, atol=2e-3)
+
+
+# ---- Hugging Face transformers ---------------------------------------------------
+def tiny_deformable_detr(device):
+    transformers = pytest.importorskip("transformers")
+    bb = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
+                                   depths=[1, 1, 1, 1], out_features=["stage2", "stage3", "stage4"])
+    cfg = transformers.DeformableDetrConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, num_queries=10, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
+        use_timm_backbone=False, backbone_config=bb, use_pretrained_backbone=False, backbone=None)
+    torch.manual_seed(0)
+    return transformers.DeformableDetrModel(cfg).to(device).eval()
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_transformers_deformable_detr_swap(device, backend):
+    from ms_deform_attn.hf import MultiScaleDeformableAttention, swap_msda
+
+    model = tiny_deformable_detr(device)
+    pixels = torch.randn(2, 3, 160, 192, device=device)
+    with torch.no_grad():
+        expected = model(pixel_values=pixels).last_hidden_state
+    swapped = swap_msda(model, backend="auto" if backend == "cpu" else backend)
+    assert swapped == 2  # one encoder and one decoder layer
+    assert sum(isinstance(m, MultiScaleDeformableAttention) for m in model.modules()) == 2
+    with torch.no_grad():
+        out = model(pixel_values=pixels).last_hidden_state
+    assert rel_err(out, expected.double()) <= 1e-5
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_transformers_function_replacement(device, backend):
+    pytest.importorskip("transformers")
+    from transformers.models.mask2former import modeling_mask2former
+
+    from ms_deform_attn.hf import multi_scale_deformable_attention
+
+    value, shapes, start, loc, attn = make_inputs(2, 13, 4, 16, LEVELS, 3, torch.float32,
+                                                  device=device)
+    expected = modeling_mask2former.multi_scale_deformable_attention(value, LEVELS, loc, attn)
+    out = multi_scale_deformable_attention(value, LEVELS, loc, attn)
+    assert rel_err(out, expected.double()) <= 1e-5
