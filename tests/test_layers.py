@@ -105,7 +105,8 @@ def test_function_compat(device, backend, fn):
     grads = torch.autograd.grad(out, (inputs[0], inputs[3], inputs[4]), g)
     expected_grads = torch.autograd.grad(expected, (inputs[0], inputs[3], inputs[4]), g)
     for a, b in zip(grads, expected_grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # grad_value sums with float atomics on CUDA: equal up to summation order.
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
