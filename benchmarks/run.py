@@ -173,8 +173,8 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
         for i in (0, 3, 4):
             s[i].requires_grad_()
     value, shapes, start, loc, attn = base
-    grad_out = torch.randn(wl.n, wl.queries, wl.m * wl.d, device=device, dtype=dtype,
-                           generator=None)
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    grad_out = torch.randn(wl.n, wl.queries, wl.m * wl.d, device=device, dtype=dtype, generator=g)
 
     # float64 reference on set 0: output and gradients.
     ref_in = [value.detach().double().requires_grad_(), shapes, start,

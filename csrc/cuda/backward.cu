@@ -104,30 +104,25 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, typename LT, int VEC>
-cudaError_t launch(const BackwardParams& p, cudaStream_t stream) {
-  const int lanes = lanes_for(p.pb.D, VEC);
-  const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
-  const bool multi = p.pb.D > int64_t(lanes) * VEC;
-  if (multi) {
-    backward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
-  } else {
-    backward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+struct Launch {
+  static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
+    const int lanes = lanes_for(p.pb.D, VEC);
+    const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
+    const bool multi = p.pb.D > int64_t(lanes) * VEC;
+    if (multi) {
+      backward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+    } else {
+      backward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+    }
+    return cudaGetLastError();
   }
-  return cudaGetLastError();
-}
+};
 
 }  // namespace
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
-    using T = typename decltype(t)::type;
-    using LT = typename decltype(lt)::type;
-    // A lane owns one 16-byte vector of the fp32 / fp64 accumulator.
-    constexpr int kVec = 16 / sizeof(acc_t<T>);
-    err = p.vec == kVec ? launch<T, LT, kVec>(p, stream) : launch<T, LT, 1>(p, stream);
-  });
-  return err;
+  // A lane owns one 16-byte vector of the fp32 / fp64 accumulator.
+  return launch_for_dtypes<Launch, /*kVecOfAcc=*/true>(p, stream);
 }
 
 }  // namespace msda::cuda

@@ -31,44 +31,29 @@ __global__ void __launch_bounds__(kThreads)
   const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
   T* out = static_cast<T*>(p.out) + group * pb.D;
 
-  for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
-    A acc[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-    for (int l = 0; l < pb.L; ++l) {
-      const Level lv = levels[l];
-      if (lv.H == 0) continue;  // level rejected by load_levels
-      const T* vl = vbase + lv.start * row_stride + c;
-      auto fetch = [&](int pix, A(&v)[VEC]) { load_vec<T, VEC>(vl + pixel_offset(pix, stride), v); };
-      for (int pt = 0; pt < pb.P; ++pt) {
-        A x, y, w;
-        load_point(loc, attn, l * pb.P + pt, x, y, w);
-        accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
-      }
-    }
-    store_vec<T, VEC>(out + c, acc);
-  }
+  forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes,
+                          [&](int l, int64_t c, auto&& body) {
+                            const T* vl = vbase + levels[l].start * row_stride + c;
+                            body([&](int pix, A(&v)[VEC]) {
+                              load_vec<T, VEC>(vl + pixel_offset(pix, stride), v);
+                            });
+                          });
 }
 
 template <typename T, typename LT, int VEC>
-cudaError_t launch(const ForwardParams& p, cudaStream_t stream) {
-  const int lanes = lanes_for(p.pb.D, VEC);
-  const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
-  baseline_forward_kernel<T, LT, VEC><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
-  return cudaGetLastError();
-}
+struct Launch {
+  static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
+    const int lanes = lanes_for(p.pb.D, VEC);
+    const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
+    baseline_forward_kernel<T, LT, VEC><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+    return cudaGetLastError();
+  }
+};
 
 }  // namespace
 
 cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
-    using T = typename decltype(t)::type;
-    using LT = typename decltype(lt)::type;
-    constexpr int kVec = 16 / sizeof(T);
-    err = p.vec == kVec ? launch<T, LT, kVec>(p, stream) : launch<T, LT, 1>(p, stream);
-  });
-  return err;
+  return launch_for_dtypes<Launch>(p, stream);
 }
 
 }  // namespace msda::cuda

@@ -186,6 +186,23 @@ void dispatch_dtypes(const Problem& pb, F&& f) {
   }
 }
 
+// Runs Launch<T, LT, VEC>::run(p, stream) for the problem's dtype pair, with
+// VEC = one 16-byte vector (of T, or of the accumulator type when
+// kVecOfAcc) when the binding allowed vector access (p.vec), else 1. The
+// kernels are instantiated for exactly these two widths.
+template <template <typename, typename, int> class Launch, bool kVecOfAcc = false,
+          typename Params>
+cudaError_t launch_for_dtypes(const Params& p, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
+    using T = typename decltype(t)::type;
+    using LT = typename decltype(lt)::type;
+    constexpr int kVec = 16 / static_cast<int>(kVecOfAcc ? sizeof(acc_t<T>) : sizeof(T));
+    err = p.vec == kVec ? Launch<T, LT, kVec>::run(p, stream) : Launch<T, LT, 1>::run(p, stream);
+  });
+  return err;
+}
+
 constexpr int kThreads = 256;
 
 inline unsigned grid_for(int64_t threads) {

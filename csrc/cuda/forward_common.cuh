@@ -44,4 +44,32 @@ __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i,
   w = A(to_acc(attn[i]));
 }
 
+// One (query, head) row of the output, for this lane's channel slices: the
+// sum over levels and points. with_fetch(l, c, body) calls body(fetch) with
+// the fetch for level l at channel offset c (global memory, shared memory...),
+// which is where the backends differ.
+template <typename T, typename LT, int VEC, typename WithFetch>
+__device__ __forceinline__ void forward_row(const Problem& pb, const Level* levels, const LT* loc,
+                                            const LT* attn, T* out, int lane, int lanes,
+                                            WithFetch&& with_fetch) {
+  using A = acc_t<T>;
+  for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
+    A acc[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] = A(0);
+    for (int l = 0; l < pb.L; ++l) {
+      const Level lv = levels[l];
+      if (lv.H == 0) continue;  // level rejected by load_levels
+      with_fetch(l, c, [&](auto&& fetch) {
+        for (int pt = 0; pt < pb.P; ++pt) {
+          A x, y, w;
+          load_point(loc, attn, l * pb.P + pt, x, y, w);
+          accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
+        }
+      });
+    }
+    store_vec<T, VEC>(out + c, acc);
+  }
+}
+
 }  // namespace msda::cuda

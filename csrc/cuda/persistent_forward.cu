@@ -126,32 +126,20 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
         const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
         const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
         T* out = static_cast<T*>(p.out) + group * pb.D;
-        for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
-          A acc[VEC];
-#pragma unroll
-          for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-          for (int l = 0; l < pb.L; ++l) {
-            const Level lv = levels[l];
-            if (lv.H == 0) continue;  // level rejected by load_levels
-            A x, y, w;
-            if (cache_off[l] >= 0) {
-              const T* cl = cache + cache_off[l] + c;
-              auto fetch = [&](int pix, A(&v)[VEC]) { load_vec_shared<T, VEC>(cl + pixel_offset(pix, d32), v); };
-              for (int pt = 0; pt < pb.P; ++pt) {
-                load_point(loc, attn, l * pb.P + pt, x, y, w);
-                accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
-              }
-            } else {
-              const T* gl = vbase + lv.start * row_stride + c;
-              auto fetch = [&](int pix, A(&v)[VEC]) { load_vec<T, VEC>(gl + pixel_offset(pix, stride), v); };
-              for (int pt = 0; pt < pb.P; ++pt) {
-                load_point(loc, attn, l * pb.P + pt, x, y, w);
-                accumulate_sample(acc, x, y, w, lv.H, lv.W, fetch);
-              }
-            }
-          }
-          store_vec<T, VEC>(out + c, acc);
-        }
+        forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes,
+                                [&](int l, int64_t c, auto&& body) {
+                                  if (cache_off[l] >= 0) {
+                                    const T* cl = cache + cache_off[l] + c;
+                                    body([&](int pix, A(&v)[VEC]) {
+                                      load_vec_shared<T, VEC>(cl + pixel_offset(pix, d32), v);
+                                    });
+                                  } else {
+                                    const T* gl = vbase + levels[l].start * row_stride + c;
+                                    body([&](int pix, A(&v)[VEC]) {
+                                      load_vec<T, VEC>(gl + pixel_offset(pix, stride), v);
+                                    });
+                                  }
+                                });
       }
     }
     __syncthreads();  // every warp is done with this cache before it is reloaded
@@ -179,50 +167,45 @@ cudaError_t device_limits(DeviceLimits& d) {
 }
 
 template <typename T, typename LT, int VEC>
-cudaError_t launch(ForwardParams p, cudaStream_t stream) {
-  auto kernel = persistent_forward_kernel<T, LT, VEC>;
-  DeviceLimits d;
-  cudaError_t err = device_limits(d);
-  if (err != cudaSuccess) return err;
-  cudaFuncAttributes attr;
-  err = cudaFuncGetAttributes(&attr, kernel);
-  if (err != cudaSuccess) return err;
-  // Default budget: the SM's shared memory split between kPBlocksPerSm blocks.
-  const int64_t per_block = d.smem_per_sm / kPBlocksPerSm - d.smem_reserved -
-                            static_cast<int64_t>(attr.sharedSizeBytes);
-  const int64_t cap = static_cast<int64_t>(d.smem_optin) - static_cast<int64_t>(attr.sharedSizeBytes);
-  int64_t budget = p.smem_budget >= 0 ? p.smem_budget : per_block;
-  budget = std::max<int64_t>(0, std::min(budget, cap)) / 16 * 16;
-  p.smem_budget = budget;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(budget));
-  if (err != cudaSuccess) return err;
-  int per_sm = 0;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPThreads,
-                                                      static_cast<size_t>(budget));
-  if (err != cudaSuccess) return err;
-  const int lanes = lanes_for(p.pb.D, VEC);
-  const int64_t tiles = (p.pb.Lq + kTileQueries - 1) / kTileQueries;
-  const int64_t warps = p.pb.N * p.pb.M * tiles;  // work for this many warps at most
-  const int64_t grid = std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms,
-                                         (warps + kPThreads / 32 - 1) / (kPThreads / 32));
-  kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(budget), stream>>>(p, lanes);
-  return cudaGetLastError();
-}
+struct Launch {
+  static cudaError_t run(ForwardParams p, cudaStream_t stream) {
+    auto kernel = persistent_forward_kernel<T, LT, VEC>;
+    DeviceLimits d;
+    cudaError_t err = device_limits(d);
+    if (err != cudaSuccess) return err;
+    cudaFuncAttributes attr;
+    err = cudaFuncGetAttributes(&attr, kernel);
+    if (err != cudaSuccess) return err;
+    // Default budget: the SM's shared memory split between kPBlocksPerSm blocks.
+    const int64_t per_block = d.smem_per_sm / kPBlocksPerSm - d.smem_reserved -
+                              static_cast<int64_t>(attr.sharedSizeBytes);
+    const int64_t cap = static_cast<int64_t>(d.smem_optin) - static_cast<int64_t>(attr.sharedSizeBytes);
+    int64_t budget = p.smem_budget >= 0 ? p.smem_budget : per_block;
+    budget = std::max<int64_t>(0, std::min(budget, cap)) / 16 * 16;
+    p.smem_budget = budget;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(budget));
+    if (err != cudaSuccess) return err;
+    int per_sm = 0;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPThreads,
+                                                        static_cast<size_t>(budget));
+    if (err != cudaSuccess) return err;
+    const int lanes = lanes_for(p.pb.D, VEC);
+    const int64_t tiles = (p.pb.Lq + kTileQueries - 1) / kTileQueries;
+    const int64_t warps = p.pb.N * p.pb.M * tiles;  // work for this many warps at most
+    const int64_t grid = std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms,
+                                           (warps + kPThreads / 32 - 1) / (kPThreads / 32));
+    kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(budget), stream>>>(p, lanes);
+    return cudaGetLastError();
+  }
+};
 
 }  // namespace
 
 int64_t persistent_workspace_bytes(const Problem& pb) { return pb.N * pb.M * int64_t(sizeof(int)); }
 
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
-    using T = typename decltype(t)::type;
-    using LT = typename decltype(lt)::type;
-    constexpr int kVec = 16 / sizeof(T);
-    err = p.vec == kVec ? launch<T, LT, kVec>(p, stream) : launch<T, LT, 1>(p, stream);
-  });
-  return err;
+  return launch_for_dtypes<Launch>(p, stream);
 }
 
 }  // namespace msda::cuda
