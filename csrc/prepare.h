@@ -26,6 +26,17 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
                         const at::Tensor& sampling_locations,
                         const at::Tensor& attention_weights);
 
+// Points a ForwardParams / BackwardParams at the prepared inputs.
+template <typename Params>
+void set_inputs(Params& p, const Prepared& in) {
+  p.pb = in.pb;
+  p.value = in.value.data_ptr();
+  p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
+  p.level_start = in.level_start.data_ptr<int64_t>();
+  p.loc = in.loc.data_ptr();
+  p.attn = in.attn.data_ptr();
+}
+
 // Checks grad_output against the prepared problem and returns it contiguous.
 at::Tensor prepare_grad_output(const at::Tensor& grad_output, const Prepared& in);
 

@@ -20,12 +20,7 @@ at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes
   const int64_t groups = pb.N * pb.Lq * pb.M;
   if (groups == 0) return out;
   ForwardParams p;
-  p.pb = pb;
-  p.value = in.value.data_ptr();
-  p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
-  p.level_start = in.level_start.data_ptr<int64_t>();
-  p.loc = in.loc.data_ptr();
-  p.attn = in.attn.data_ptr();
+  set_inputs(p, in);
   p.out = out.data_ptr();
   // About 16k multiply-adds per grain.
   const int64_t grain = std::max<int64_t>(1, 16384 / (4 * pb.L * pb.P * pb.D));
@@ -48,12 +43,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   auto grad_attn = new_output(in.attn.sizes(), in.attn.options());
   if (pb.N * pb.Lq * pb.M > 0) {
     BackwardParams p;
-    p.pb = pb;
-    p.value = in.value.data_ptr();
-    p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
-    p.level_start = in.level_start.data_ptr<int64_t>();
-    p.loc = in.loc.data_ptr();
-    p.attn = in.attn.data_ptr();
+    set_inputs(p, in);
     p.grad_out = gout.data_ptr();
     p.grad_value_acc = grad_value_acc.data_ptr();
     p.grad_loc = grad_loc.data_ptr();

@@ -118,12 +118,7 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   if (out.numel() == 0) return out;
   in.loc = aligned_pairs(in.loc);
   ForwardParams p;
-  p.pb = pb;
-  p.value = in.value.data_ptr();
-  p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
-  p.level_start = in.level_start.data_ptr<int64_t>();
-  p.loc = in.loc.data_ptr();
-  p.attn = in.attn.data_ptr();
+  set_inputs(p, in);
   p.out = out.data_ptr();
   const int64_t elem = in.value.element_size();
   p.vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.value, p.out});
@@ -155,12 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   if (pb.N * pb.Lq * pb.M > 0) {
     in.loc = aligned_pairs(in.loc);
     BackwardParams p;
-    p.pb = pb;
-    p.value = in.value.data_ptr();
-    p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
-    p.level_start = in.level_start.data_ptr<int64_t>();
-    p.loc = in.loc.data_ptr();
-    p.attn = in.attn.data_ptr();
+    set_inputs(p, in);
     p.grad_out = gout.data_ptr();
     p.grad_value_acc = grad_value_acc.data_ptr();
     p.grad_loc = grad_loc.data_ptr();
