@@ -10,7 +10,9 @@ namespace msda::cuda {
 namespace {
 
 template <typename T, typename LT, int VEC>
-__global__ void __launch_bounds__(kThreads)
+// At most 64 registers (4 blocks of 256 per SM, 32 warps): the gather is
+// latency-bound and no spills result (ptxas: 60-63 registers).
+__global__ void __launch_bounds__(kThreads, 4)
     baseline_forward_kernel(const ForwardParams p, const int lanes) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
