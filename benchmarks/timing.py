@@ -62,7 +62,7 @@ def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callab
     ours = msda.available_backends(device)
     for name in names:
         if name in ours:
-            impls[name] = _ours("auto" if name == "cpu" else name)
+            impls[name] = _ours(name)
         elif name == "reference":
             impls[name] = _reference
         elif name in PEERS:

@@ -89,5 +89,4 @@ def rel_err(out, ref):
 
 
 def run(value, shapes, start, loc, attn, backend):
-    be = "auto" if backend == "cpu" else backend
-    return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=be)
+    return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)

@@ -11,8 +11,7 @@ GRAD_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torc
 
 
 def op(backend):
-    be = "auto" if backend == "cpu" else backend
-    return lambda v, s, st, l, a: msda.ms_deform_attn(v, s, st, l, a, backend=be)
+    return lambda v, s, st, l, a: msda.ms_deform_attn(v, s, st, l, a, backend=backend)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())

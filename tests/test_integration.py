@@ -14,9 +14,8 @@ from helpers import TOL, cuda_backends, device_backends, make_inputs, reference6
 def test_opcheck(device, backend, dtype):
     value, shapes, start, loc, attn = make_inputs(2, 6, 2, 8, [(4, 5), (2, 3)], 2, dtype,
                                                   device=device, requires_grad=True)
-    be = "auto" if backend == "cpu" else backend
     torch.library.opcheck(torch.ops.ms_deform_attn.ms_deform_attn.default,
-                          (value, shapes, start, loc, attn, be))
+                          (value, shapes, start, loc, attn, backend))
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -35,11 +34,10 @@ def test_torch_compile_fullgraph(device, backend):
     value, shapes, start, loc, attn = make_inputs(2, 9, 4, 16, [(6, 7), (3, 4)], 3,
                                                   torch.float32, device=device,
                                                   requires_grad=True)
-    be = "auto" if backend == "cpu" else backend
 
     def f(v, l, a):
         return msda.ms_deform_attn(v * 2, shapes, start, l.clamp(-1, 2), a.softmax(-1),
-                                   backend=be).relu()
+                                   backend=backend).relu()
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     out = compiled(value, loc, attn)

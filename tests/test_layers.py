@@ -74,7 +74,7 @@ def test_initialisation_matches_deformable_detr():
 @pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
 @pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
 def test_module_matches_reference_module(device, backend, boxes, mask):
-    ours, ref = make_pair(device, "auto" if backend == "cpu" else backend)
+    ours, ref = make_pair(device, backend)
     args = module_inputs(device, boxes=boxes, mask=mask)
     out = ours(*args)
     expected = ref(*args)
@@ -122,7 +122,7 @@ def test_mmcv_style_function(device, backend, as_list):
 
 @pytest.mark.parametrize("device,backend", device_backends())
 def test_autocast_module(device, backend):
-    ours, ref = make_pair(device, "auto" if backend == "cpu" else backend)
+    ours, ref = make_pair(device, backend)
     args = module_inputs(device)
     with torch.autocast(device, dtype=torch.bfloat16):
         out = ours(*args)
@@ -176,13 +176,12 @@ def encoder_inputs(device):
 @pytest.mark.parametrize("device,backend", device_backends())
 def test_compile_module_and_model_fullgraph(device, backend):
     torch._dynamo.reset()
-    be = "auto" if backend == "cpu" else backend
     compiler = "aot_eager" if device == "cpu" else "inductor"
-    ours, _ = make_pair(device, be)
+    ours, _ = make_pair(device, backend)
     args = module_inputs(device, mask=True)
     compiled = torch.compile(ours, fullgraph=True, backend=compiler)
     torch.testing.assert_close(compiled(*args), ours(*args), rtol=1e-4, atol=1e-5)
-    model = TinyEncoder(backend=be).to(device)
+    model = TinyEncoder(backend=backend).to(device)
     inputs = encoder_inputs(device)
     compiled_model = torch.compile(model, fullgraph=True, backend=compiler)
     out = compiled_model(*inputs)
@@ -193,7 +192,7 @@ def test_compile_module_and_model_fullgraph(device, backend):
 
 @pytest.mark.parametrize("device,backend", device_backends())
 def test_export_has_one_op_node(device, backend):
-    model = TinyEncoder(backend="auto" if backend == "cpu" else backend).to(device).eval()
+    model = TinyEncoder(backend=backend).to(device).eval()
     ep = torch.export.export(model, encoder_inputs(device))
     nodes = [n for n in ep.graph.nodes
              if n.op == "call_function" and n.target == torch.ops.ms_deform_attn.ms_deform_attn.default]
@@ -256,7 +255,7 @@ def test_transformers_deformable_detr_swap(device, backend):
     pixels = torch.randn(2, 3, 160, 192, device=device)
     with torch.no_grad():
         expected = model(pixel_values=pixels).last_hidden_state
-    swapped = swap_msda(model, backend="auto" if backend == "cpu" else backend)
+    swapped = swap_msda(model, backend=backend)
     assert swapped == 2  # one encoder and one decoder layer
     assert sum(isinstance(m, MultiScaleDeformableAttention) for m in model.modules()) == 2
     with torch.no_grad():
