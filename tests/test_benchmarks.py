@@ -49,4 +49,8 @@ def test_benchmark_runs_on_a_tiny_workload(tmp_path):
         assert r["time_us"] > 0 and r["floor_us"] > 0
         assert r["rel_err"] <= 1e-5, r
     assert any("bwd_us" in r for r in result["rows"])
-    assert (tmp_path / "bench.png").exists() or True  # matplotlib is optional
+    try:
+        import matplotlib  # noqa: F401  (the chart is optional, written when it is there)
+    except ImportError:
+        return
+    assert (tmp_path / "bench.png").stat().st_size > 0
