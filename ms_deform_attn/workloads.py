@@ -12,6 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .compat import level_start_index
+
 DDETR_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
 
 
@@ -72,9 +74,7 @@ def get(name: str) -> Workload:
 def level_tensors(levels, device) -> Tuple[torch.Tensor, torch.Tensor]:
     """spatial_shapes (L, 2) and level_start_index (L,), int64, on `device`."""
     shapes = torch.tensor(levels, dtype=torch.long, device=device)
-    areas = shapes[:, 0] * shapes[:, 1]
-    start = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
-    return shapes, start
+    return shapes, level_start_index(shapes)
 
 
 # ---- location generators ------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 import ms_deform_attn as msda
 from ms_deform_attn.reference import ms_deform_attn_pytorch
+from ms_deform_attn.workloads import level_tensors
 
 # ||out - ref|| / ||ref|| bounds against the float64 reference.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
@@ -30,13 +31,6 @@ def device_backends():
 def cuda_backends():
     """CUDA backends only (tests that make sense on the GPU alone)."""
     return [p for p in device_backends() if p.values[0] == "cuda"]
-
-
-def level_tensors(shapes, device):
-    shapes_t = torch.tensor(shapes, dtype=torch.long, device=device)
-    areas = shapes_t[:, 0] * shapes_t[:, 1]
-    start = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
-    return shapes_t, start
 
 
 def make_inputs(n, lq, m, d, shapes, p, dtype, loc_dtype=None, device="cpu", outside=0.15,
