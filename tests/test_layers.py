@@ -275,3 +275,32 @@ def test_transformers_function_replacement(device, backend):
     expected = modeling_mask2former.multi_scale_deformable_attention(value, LEVELS, loc, attn)
     out = multi_scale_deformable_attention(value, LEVELS, loc, attn)
     assert rel_err(out, expected.double()) <= 1e-5
+
+
+def tiny_rt_detr(device):
+    transformers = pytest.importorskip("transformers")
+    bb = transformers.RTDetrResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+        out_features=["stage2", "stage3", "stage4"], layer_type="basic",
+        downsample_in_first_stage=False)
+    cfg = transformers.RTDetrConfig(
+        backbone_config=bb, encoder_in_channels=[32, 64, 128], decoder_in_channels=[32, 32, 32],
+        d_model=32, encoder_hidden_dim=32, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        encoder_attention_heads=4, decoder_attention_heads=4, decoder_layers=1, num_queries=10,
+        use_pretrained_backbone=False)
+    torch.manual_seed(0)
+    return transformers.RTDetrModel(cfg).to(device).eval()
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_transformers_rt_detr_swap(device, backend):
+    from ms_deform_attn.hf import swap_msda
+
+    model = tiny_rt_detr(device)
+    pixels = torch.randn(2, 3, 128, 128, device=device)
+    with torch.no_grad():
+        expected = model(pixel_values=pixels).last_hidden_state
+    assert swap_msda(model, backend=backend) == 1  # the decoder's cross-attention
+    with torch.no_grad():
+        out = model(pixel_values=pixels).last_hidden_state
+    assert rel_err(out, expected.double()) <= 1e-5
