@@ -248,22 +248,6 @@ def tiny_deformable_detr(device):
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_transformers_deformable_detr_swap(device, backend):
-    from ms_deform_attn.hf import MultiScaleDeformableAttention, swap_msda
-
-    model = tiny_deformable_detr(device)
-    pixels = torch.randn(2, 3, 160, 192, device=device)
-    with torch.no_grad():
-        expected = model(pixel_values=pixels).last_hidden_state
-    swapped = swap_msda(model, backend=backend)
-    assert swapped == 2  # one encoder and one decoder layer
-    assert sum(isinstance(m, MultiScaleDeformableAttention) for m in model.modules()) == 2
-    with torch.no_grad():
-        out = model(pixel_values=pixels).last_hidden_state
-    assert rel_err(out, expected.double()) <= 1e-5
-
-
-@pytest.mark.parametrize("device,backend", device_backends())
 def test_transformers_function_replacement(device, backend):
     pytest.importorskip("transformers")
     from transformers.models.mask2former import modeling_mask2former
@@ -292,15 +276,25 @@ def tiny_rt_detr(device):
     return transformers.RTDetrModel(cfg).to(device).eval()
 
 
-@pytest.mark.parametrize("device,backend", device_backends())
-def test_transformers_rt_detr_swap(device, backend):
-    from ms_deform_attn.hf import swap_msda
+# (model factory, image height and width, MSDA sites transformers puts in it)
+HF_MODELS = {
+    "deformable_detr": (tiny_deformable_detr, (160, 192), 2),  # one encoder, one decoder layer
+    "rt_detr": (tiny_rt_detr, (128, 128), 1),                   # the decoder's cross-attention
+}
 
-    model = tiny_rt_detr(device)
-    pixels = torch.randn(2, 3, 128, 128, device=device)
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_transformers_model_swap(device, backend, name):
+    from ms_deform_attn.hf import MultiScaleDeformableAttention, swap_msda
+
+    factory, (h, w), sites = HF_MODELS[name]
+    model = factory(device)
+    pixels = torch.randn(2, 3, h, w, device=device)
     with torch.no_grad():
         expected = model(pixel_values=pixels).last_hidden_state
-    assert swap_msda(model, backend=backend) == 1  # the decoder's cross-attention
+    assert swap_msda(model, backend=backend) == sites
+    assert sum(isinstance(m, MultiScaleDeformableAttention) for m in model.modules()) == sites
     with torch.no_grad():
         out = model(pixel_values=pixels).last_hidden_state
     assert rel_err(out, expected.double()) <= 1e-5
