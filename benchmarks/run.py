@@ -29,7 +29,8 @@ import ms_deform_attn as msda
 from ms_deform_attn import workloads as W
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 
-from .timing import FP32_ONLY, PEERS, copy_bandwidth, implementations, time_cpu, time_cuda
+from .timing import (DETERMINISTIC, FP32_ONLY, PEERS, copy_bandwidth, implementations, time_cpu,
+                     time_cuda)
 
 DTYPES = {  # name -> (value dtype, location / weight dtype)
     "fp32": (torch.float32, torch.float32),
@@ -137,7 +138,7 @@ def measure(args) -> Dict:
 
     ours = msda.available_backends(device)
     if args.backends == "all":
-        names = ours + ["reference"] + list(PEERS)
+        names = ours + [DETERMINISTIC, "reference"] + list(PEERS)
     elif args.backends == "ours":
         names = ours
     else:
@@ -218,7 +219,8 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
                         return torch.autograd.grad(o, (s[0], s[3], s[4]), grad_out)
 
                 if device == "cuda":
-                    t, method, reps = time_cuda(step, n_sets, use_graph=name in msda.available_backends("cuda"),
+                    t, method, reps = time_cuda(step, n_sets, use_graph=(name in msda.available_backends("cuda")
+                                                                      or name == DETERMINISTIC),
                                                 target_ms=args.target_ms)
                 else:
                     t, method, reps = time_cpu(step, n_sets, target_s=args.target_ms / 1e3)

@@ -14,10 +14,15 @@ Inputs = Sequence[torch.Tensor]  # value, spatial_shapes, level_start_index, loc
 
 
 # ---- implementations --------------------------------------------------------------
-def _ours(backend: str):
+def _ours(backend: str, deterministic: bool = False):
     def fn(value, shapes, start, loc, attn):
-        return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
+        return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                                   deterministic=deterministic)
     return fn
+
+
+# Our "auto" forward with the deterministic backward (sort and gather).
+DETERMINISTIC = "deterministic"
 
 
 def _reference(value, shapes, start, loc, attn):
@@ -63,6 +68,8 @@ def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callab
     for name in names:
         if name in ours:
             impls[name] = _ours(name)
+        elif name == DETERMINISTIC:
+            impls[name] = _ours("auto", deterministic=True)
         elif name == "reference":
             impls[name] = _reference
         elif name in PEERS:

@@ -47,11 +47,12 @@ std::string select_backend(const at::Tensor& value, const at::Tensor& spatial_sh
 TORCH_LIBRARY(ms_deform_attn, m) {
   m.def(
       "ms_deform_attn(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
-      "Tensor sampling_locations, Tensor attention_weights, str backend=\"auto\") -> Tensor");
+      "Tensor sampling_locations, Tensor attention_weights, str backend=\"auto\", "
+      "bool? deterministic=None) -> Tensor");
   m.def(
       "_ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
-      "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights) "
-      "-> (Tensor, Tensor, Tensor)");
+      "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
+      "bool deterministic=False) -> (Tensor, Tensor, Tensor)");
   // Host-side helpers: no tensors out, never traced.
   m.def("_available_backends(Device device) -> str[]", &msda::available_backends);
   m.def(

@@ -41,10 +41,18 @@ struct BackwardParams {
   const void* loc = nullptr;
   const void* attn = nullptr;
   const void* grad_out = nullptr;  // (N, Lq, M * D), value dtype
-  void* grad_value_acc = nullptr;  // (N, S, M, D) in the accumulation type, zeroed
+  void* grad_value_acc = nullptr;  // (N, S, M, D) in the accumulation type, zeroed;
+                                   // nullptr: no grad_value (deterministic path)
   void* grad_loc = nullptr;        // like loc
   void* grad_attn = nullptr;       // like attn
   int vec = 1;
+  // Deterministic path: when cell_keys is set, the kernel also writes, for
+  // every sample (flat index (n, q, m, l, p)), the key of the bilinear cell its
+  // footprint lies in (see cell_key() in cuda/common.cuh) and the sample's index.
+  void* cell_keys = nullptr;   // (samples,) uint32, or uint64 when wide_keys
+  void* sample_ids = nullptr;  // (samples,) same type
+  bool wide_keys = false;
+  int64_t cell_stride = 0;     // keys per (n, m): 2 * S + 2 * L bounds the cells of all levels
 };
 
 }  // namespace msda

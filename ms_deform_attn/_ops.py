@@ -18,6 +18,7 @@ def ms_deform_attn(
     attention_weights: torch.Tensor,
     *,
     backend: str = "auto",
+    deterministic: Optional[bool] = None,
 ) -> torch.Tensor:
     """Multi-scale deformable attention (Deformable DETR, eq. 2).
 
@@ -30,12 +31,18 @@ def ms_deform_attn(
         attention_weights: (N, Lq, M, L, P), in value's dtype or float32.
         backend: "auto" or a name from available_backends(value.device).
             The environment variable MS_DEFORM_ATTN_BACKEND overrides "auto".
+        deterministic: whether the backward must give bitwise identical
+            gradients on every run (grad_value by sort and gather instead of
+            atomics; slower, see BENCHMARKS.md). None (default) follows
+            torch.are_deterministic_algorithms_enabled() at backward time.
+            The forward is deterministic either way.
 
     Returns:
         (N, Lq, M * D) in value's dtype.
     """
     return _lib.ms_deform_attn(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
+        deterministic,
     )
 
 
@@ -62,7 +69,7 @@ def select_backend(value, spatial_shapes, level_start_index, sampling_locations,
 # ---- fake (meta) kernels -----------------------------------------------------
 @torch.library.register_fake("ms_deform_attn::ms_deform_attn")
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
-                  attention_weights, backend="auto"):
+                  attention_weights, backend="auto", deterministic=None):
     torch._check(value.dim() == 4, lambda: "ms_deform_attn: value must have 4 dimensions")
     torch._check(sampling_locations.dim() == 6,
                  lambda: "ms_deform_attn: sampling_locations must have 6 dimensions")
@@ -72,7 +79,7 @@ def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
 
 @torch.library.register_fake("ms_deform_attn::_ms_deform_attn_backward")
 def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                   attention_weights):
+                   attention_weights, deterministic=False):
     return (
         torch.empty_like(value, memory_format=torch.contiguous_format),
         torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
@@ -82,7 +89,9 @@ def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampli
 
 # ---- autograd -------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
-    value, spatial_shapes, level_start_index, sampling_locations, attention_weights, _ = inputs
+    (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, _,
+     deterministic) = inputs
+    ctx.deterministic = deterministic
     ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations,
                           attention_weights)
 
@@ -91,9 +100,12 @@ def _backward(ctx, grad_output):
     value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
         ctx.saved_tensors
     )
+    deterministic = ctx.deterministic
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     grad_value, grad_loc, grad_attn = _lib._ms_deform_attn_backward(
         grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-        attention_weights,
+        attention_weights, deterministic,
     )
     need = ctx.needs_input_grad
     return (
@@ -102,6 +114,7 @@ def _backward(ctx, grad_output):
         None,
         grad_loc if need[3] else None,
         grad_attn if need[4] else None,
+        None,
         None,
     )
 

@@ -10,28 +10,35 @@ from helpers import TOL, device_backends, make_inputs, rel_err
 GRAD_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
 
 
-def op(backend):
-    return lambda v, s, st, l, a: msda.ms_deform_attn(v, s, st, l, a, backend=backend)
+def op(backend, deterministic=None):
+    return lambda v, s, st, l, a: msda.ms_deform_attn(v, s, st, l, a, backend=backend,
+                                                      deterministic=deterministic)
 
 
+# The fast backward (atomics) and the deterministic one (sort and gather).
+MODES = pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "det"])
+
+
+@MODES
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("shape", [
     (1, 5, 2, 4, [(4, 5)], 2),
     (2, 6, 3, 8, [(5, 3), (2, 4)], 3),
     (1, 4, 1, 33, [(3, 3), (2, 1), (1, 2)], 1),
 ])
-def test_gradcheck(device, backend, shape):
+def test_gradcheck(device, backend, shape, deterministic):
     n, lq, m, d, shapes, p = shape
     value, shapes_t, start, loc, attn = make_inputs(n, lq, m, d, shapes, p, torch.float64,
                                                     device=device, outside=0.2,
                                                     requires_grad=True)
-    f = op(backend)
+    f = op(backend, deterministic)
     assert torch.autograd.gradcheck(lambda v, l, a: f(v, shapes_t, start, l, a),
                                     (value, loc, attn), eps=1e-6, atol=1e-7)
 
 
+@MODES
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_gradients_on_pixel_borders(device, backend):
+def test_gradients_on_pixel_borders(device, backend, deterministic):
     """Locations exactly on pixel centres and the map border: value and weight
     gradients by gradcheck (smooth there), location gradients against the
     reference's (the same one-sided convention: the cell to the lower right)."""
@@ -40,7 +47,7 @@ def test_gradients_on_pixel_borders(device, backend):
                                                   device=device, requires_grad=True)
     ticks = torch.tensor([0.0, 1 / 16, 0.25, 0.5, 1.0, -1 / 16, 1 + 1 / 16], dtype=torch.float64)
     loc = ticks[torch.randint(0, len(ticks), (1, 12, 2, 2, 2, 2))].to(device).requires_grad_()
-    f = op(backend)
+    f = op(backend, deterministic)
     assert torch.autograd.gradcheck(lambda v, a: f(v, shapes_t, start, loc, a), (value, attn))
     grad = torch.randn(1, 12, 8, dtype=torch.float64, device=device)
     (g_ours,) = torch.autograd.grad(f(value, shapes_t, start, loc, attn), loc, grad)
@@ -49,17 +56,18 @@ def test_gradients_on_pixel_borders(device, backend):
     torch.testing.assert_close(g_ours, g_ref)
 
 
+@MODES
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("loc_fp32", [False, True], ids=["loc_same", "loc_fp32"])
 @pytest.mark.parametrize("d", [30, 32, 64])
-def test_gradients_match_reference(device, backend, dtype, loc_fp32, d):
+def test_gradients_match_reference(device, backend, dtype, loc_fp32, d, deterministic):
     loc_dtype = torch.float32 if loc_fp32 else dtype
     inputs = make_inputs(2, 37, 4, d, [(9, 11), (5, 6), (3, 3)], 4, dtype, loc_dtype,
                          device=device, requires_grad=True)
     value, shapes, start, loc, attn = inputs
-    out = op(backend)(*inputs)
+    out = op(backend, deterministic)(*inputs)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (value, loc, attn), grad)
 
@@ -84,13 +92,70 @@ def test_double_backward_raises(device, backend):
         g.sum().backward()
 
 
+@MODES
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_backward_empty(device, backend):
+def test_backward_empty(device, backend, deterministic):
     value, shapes, start, loc, attn = make_inputs(2, 3, 2, 8, [(3, 3)], 2, torch.float32,
                                                   device=device)
     loc = loc[:, :0].requires_grad_()
     attn = attn[:, :0].requires_grad_()
     value.requires_grad_()
-    op(backend)(value, shapes, start, loc, attn).sum().backward()
+    op(backend, deterministic)(value, shapes, start, loc, attn).sum().backward()
     assert value.grad.abs().sum() == 0
     assert loc.grad.shape == loc.shape
+
+
+def _grads(backend, inputs, grad, deterministic):
+    value, shapes, start, loc, attn = inputs
+    out = op(backend, deterministic)(value, shapes, start, loc, attn)
+    return torch.autograd.grad(out, (value, loc, attn), grad)
+
+
+def _bits(t):
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def _crowded_inputs(device, dtype):
+    """Many samples in few cells (heavy contention on grad_value), some
+    outside, some exactly on borders and a few NaN."""
+    inputs = make_inputs(2, 300, 4, 32, [(6, 7), (3, 4), (1, 1)], 4, dtype, torch.float32,
+                         device=device, requires_grad=True)
+    value, shapes, start, loc, attn = inputs
+    with torch.no_grad():
+        loc.mul_(0.3).add_(0.35)  # crowd into the middle of each level
+        loc[0, :7] = torch.tensor([0.5, 0.0, 1.0, -0.2, 1.3, float("nan"), 0.25])[:, None, None,
+                                                                                 None, None]
+    return inputs
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
+                         ids=["float32", "bfloat16", "float64"])
+def test_deterministic_backward_is_bitwise_reproducible(device, backend, dtype):
+    inputs = _crowded_inputs(device, dtype)
+    grad = torch.randn(2, 300, 4 * 32, dtype=dtype, device=device)
+    first = _grads(backend, inputs, grad, True)
+    for _ in range(3):
+        again = _grads(backend, inputs, grad, True)
+        for a, b in zip(first, again):
+            assert torch.equal(_bits(a), _bits(b))
+    # ... and it is the same gradient as the fast path's, within tolerance.
+    fast = _grads(backend, inputs, grad, False)
+    for name, a, b in zip(("value", "locations", "weights"), first, fast):
+        assert rel_err(a, b.double()) <= GRAD_TOL[dtype], name
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_deterministic_follows_torch_flag(device, backend):
+    """deterministic=None follows torch.use_deterministic_algorithms()."""
+    inputs = _crowded_inputs(device, torch.float32)
+    grad = torch.randn(2, 300, 4 * 32, device=device)
+    explicit = _grads(backend, inputs, grad, True)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        implicit = _grads(backend, inputs, grad, None)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    for a, b in zip(explicit, implicit):
+        assert torch.equal(_bits(a), _bits(b))

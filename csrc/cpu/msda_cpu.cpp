@@ -10,7 +10,8 @@ namespace {
 
 at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes,
                        const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                       const at::Tensor& attention_weights, c10::string_view backend) {
+                       const at::Tensor& attention_weights, c10::string_view backend,
+                       std::optional<bool> /*deterministic: the forward always is*/) {
   TORCH_CHECK(backend == "auto" || backend == "cpu", "ms_deform_attn: backend '", backend,
               "' cannot run on CPU tensors; backends available on cpu: ['cpu'] (or 'auto')");
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
@@ -32,7 +33,9 @@ at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-    const at::Tensor& attention_weights) {
+    const at::Tensor& attention_weights, bool /*deterministic*/) {
+  // Always deterministic: each (n, m) slice of grad_value is accumulated by
+  // one thread, in query order, whatever the number of threads.
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights);
   const auto& pb = in.pb;

@@ -7,11 +7,30 @@
 //   grad of locations and weights: per-lane partial dot products over
 //   channels, reduced across the group's lanes with warp shuffles, written
 //   once by lane 0 (no atomics).
+// Deterministic path (backward_deterministic.cu): no grad_value here; lane 0
+// writes each sample's cell key and index instead, for the sort.
 #include "common.cuh"
 #include "launch.h"
 
 namespace msda::cuda {
 namespace {
+
+// Key of the cell sample `sample` lies in, or the largest key (past every
+// cell) when its footprint misses the level.
+template <typename A>
+__device__ __forceinline__ void write_key(const BackwardParams& p, int64_t sample, bool inside,
+                                          int64_t nm, int64_t level_base, const Bilinear<A>& b,
+                                          int W) {
+  const uint64_t key = inside ? cell_key(nm, p.cell_stride, level_base, b.h0, b.w0, W)
+                              : uint64_t(p.pb.N * p.pb.M * p.cell_stride);
+  if (p.wide_keys) {
+    static_cast<uint64_t*>(p.cell_keys)[sample] = key;
+    static_cast<uint64_t*>(p.sample_ids)[sample] = uint64_t(sample);
+  } else {
+    static_cast<unsigned*>(p.cell_keys)[sample] = unsigned(key);
+    static_cast<unsigned*>(p.sample_ids)[sample] = unsigned(sample);
+  }
+}
 
 // kMulti: D spans more than one pass of the group's lanes (D > 32 * VEC), so
 // grad_output is re-read per pass instead of being kept in registers.
@@ -21,8 +40,15 @@ __global__ void __launch_bounds__(kThreads)
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
+  __shared__ int64_t cell_base[kMaxLevels];
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
+  const bool keys = p.cell_keys != nullptr;  // uniform: deterministic path
+  const bool value_grad = p.grad_value_acc != nullptr;
+  if (keys) {
+    load_cell_bases(cell_base, levels, pb.L);
+    __syncthreads();
+  }
 
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t group = tid / lanes;
@@ -82,11 +108,13 @@ __global__ void __launch_bounds__(kThreads)
             g_attn += wk * dot;
             g_lw += b.dweight_dlw(k) * dot;
             g_lh += b.dweight_dlh(k) * dot;
-            const A scale = w * wk;
-            A add[VEC];
+            if (value_grad) {
+              const A scale = w * wk;
+              A add[VEC];
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
-            atomic_add_vec<VEC>(gvbase + off, add);
+              for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
+              atomic_add_vec<VEC>(gvbase + off, add);
+            }
           }
           if (!kMulti) break;
         }
@@ -95,6 +123,7 @@ __global__ void __launch_bounds__(kThreads)
       g_lw = group_sum(g_lw, lanes);
       g_lh = group_sum(g_lh, lanes);
       if (active && lane == 0) {
+        if (keys) write_key(p, group * LP + i, b.inside && lv.H > 0, m + n * pb.M, cell_base[l], b, lv.W);
         gattn[i] = from_acc<LT>(acc_t<LT>(g_attn));
         gloc[2 * i] = from_acc<LT>(acc_t<LT>(w * g_lw * A(lv.W)));
         gloc[2 * i + 1] = from_acc<LT>(acc_t<LT>(w * g_lh * A(lv.H)));

@@ -149,6 +149,28 @@ __device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
   }
 }
 
+// ---- cells (deterministic backward) ---------------------------------------
+// Every bilinear cell (h0, w0), h0 in [-1, H), w0 in [-1, W), of every level of
+// every (n, m) gets one key, so that sorting samples by key groups the samples
+// that touch a pixel. Level l's cells start at cell_base[l] = the sum over the
+// levels before it of (H + 1) * (W + 1); (H + 1) * (W + 1) <= 2 * H * W + 2,
+// so 2 * S + 2 * L keys per (n, m) (the host's cell_stride) hold them all.
+// Call with every thread, after load_levels() and a __syncthreads().
+__device__ __forceinline__ void load_cell_bases(int64_t* base, const Level* lv, int L) {
+  if (threadIdx.x == 0) {
+    int64_t acc = 0;
+    for (int l = 0; l < L; ++l) {
+      base[l] = acc;
+      acc += (int64_t(lv[l].H) + 1) * (int64_t(lv[l].W) + 1);
+    }
+  }
+}
+
+__device__ __forceinline__ uint64_t cell_key(int64_t nm, int64_t cell_stride, int64_t level_base,
+                                             int h0, int w0, int W) {
+  return uint64_t(nm * cell_stride + level_base + int64_t(h0 + 1) * (W + 1) + (w0 + 1));
+}
+
 // ---- work decomposition ----------------------------------------------------
 // A (n, q, m) group is served by `lanes` consecutive threads (a power of two
 // <= 32, so a group never straddles a warp); lane j owns channels

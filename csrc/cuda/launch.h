@@ -14,7 +14,30 @@ cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream);
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream);
 int64_t persistent_workspace_bytes(const Problem& pb);  // its zeroed tile counters
 
-// Backward shared by every forward backend. grad_value_acc must be zeroed.
+// Backward shared by every forward backend. grad_value_acc must be zeroed;
+// with grad_value_acc null it leaves grad_value out and (cell_keys set) writes
+// the sample keys for the deterministic path instead.
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
+
+// Deterministic grad_value (backward_deterministic.cu), after backward() wrote
+// keys and ids. Sizes in elements; keys and ids are unsigned (wide: uint64).
+struct DeterministicBuffers {
+  int64_t items = 0;        // samples: N * Lq * M * L * P
+  int64_t cells = 0;        // N * M * cell_stride; also the key of samples that touch nothing
+  int end_bit = 0;          // bits the keys use (cells < 2^end_bit)
+  bool wide = false;        // 64-bit keys and ids
+  const void* keys = nullptr;
+  const void* ids = nullptr;
+  void* sorted_keys = nullptr;
+  void* sorted_ids = nullptr;
+  void* temp = nullptr;     // the sort's scratch, deterministic_temp_bytes() long
+  size_t temp_bytes = 0;
+  void* cell_starts = nullptr;  // cells + 1 int64
+  void* grad_value = nullptr;   // (N, S, M, D) in the value's dtype, written completely
+  int vec = 1;              // elements per vector access of the gather (16 / sizeof(T) or 1)
+};
+size_t deterministic_temp_bytes(const DeterministicBuffers& b);
+cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,
+                                     cudaStream_t stream);
 
 }  // namespace msda::cuda

@@ -105,7 +105,8 @@ at::Tensor aligned_pairs(at::Tensor t) {
 
 at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
                         const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                        const at::Tensor& attention_weights, c10::string_view backend) {
+                        const at::Tensor& attention_weights, c10::string_view backend,
+                        std::optional<bool> /*deterministic: the forward always is*/) {
   Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                attention_weights);
   const c10::cuda::CUDAGuard guard(value.device());
@@ -133,10 +134,56 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   return out;
 }
 
+// Bits needed to write every value in [0, x].
+int bits_for(int64_t x) {
+  int bits = 0;
+  while (bits < 63 && (int64_t(1) << bits) <= x) ++bits;
+  return bits;
+}
+
+// grad_value by sort and gather (backward_deterministic.cu): bitwise the same
+// on every run. Needs about 4 * 8 bytes of scratch per sample (16 with
+// 32-bit keys) plus 8 per cell.
+at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaStream_t stream) {
+  const auto& pb = in.pb;
+  p.cell_stride = 2 * pb.S + 2 * pb.L;
+  cuda::DeterministicBuffers b;
+  b.items = pb.N * pb.Lq * pb.M * pb.L * pb.P;
+  b.cells = pb.N * pb.M * p.cell_stride;
+  b.end_bit = bits_for(b.cells);
+  b.wide = b.cells >= int64_t(UINT32_MAX) || b.items >= int64_t(UINT32_MAX);
+  if (b.items == 0) return at::zeros(in.value.sizes(), in.value.options());
+  const auto idx = in.value.options().dtype(b.wide ? at::kLong : at::kInt);
+  at::Tensor keys = at::empty({b.items}, idx), ids = at::empty({b.items}, idx);
+  at::Tensor sorted_keys = at::empty({b.items}, idx), sorted_ids = at::empty({b.items}, idx);
+  p.grad_value_acc = nullptr;
+  p.cell_keys = keys.data_ptr();
+  p.sample_ids = ids.data_ptr();
+  p.wide_keys = b.wide;
+  C10_CUDA_CHECK(cuda::backward(p, stream));
+
+  b.keys = keys.data_ptr();
+  b.ids = ids.data_ptr();
+  b.sorted_keys = sorted_keys.data_ptr();
+  b.sorted_ids = sorted_ids.data_ptr();
+  b.temp_bytes = cuda::deterministic_temp_bytes(b);
+  at::Tensor temp = at::empty({int64_t(std::max<size_t>(b.temp_bytes, 1))},
+                              in.value.options().dtype(at::kByte));
+  b.temp = temp.data_ptr();
+  at::Tensor starts = at::empty({b.cells + 1}, in.value.options().dtype(at::kLong));
+  b.cell_starts = starts.data_ptr();
+  at::Tensor grad_value = new_output(in.value.sizes(), in.value.options());
+  b.grad_value = grad_value.data_ptr();
+  const int64_t elem = in.value.element_size();
+  b.vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.grad_out, b.grad_value});
+  C10_CUDA_CHECK(cuda::deterministic_value_grad(p, b, stream));
+  return grad_value;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-    const at::Tensor& attention_weights) {
+    const at::Tensor& attention_weights, bool deterministic) {
   Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                attention_weights);
   const c10::cuda::CUDAGuard guard(value.device());
@@ -144,24 +191,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   const at::Tensor gout = prepare_grad_output(grad_output, in);
   const auto vt = in.value.scalar_type();
   const auto acc_type = vt == at::kDouble ? at::kDouble : at::kFloat;
-  auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
   auto grad_loc = new_output(in.loc.sizes(), in.loc.options());
   auto grad_attn = new_output(in.attn.sizes(), in.attn.options());
-  if (pb.N * pb.Lq * pb.M > 0) {
-    in.loc = aligned_pairs(in.loc);
-    BackwardParams p;
-    set_inputs(p, in);
-    p.grad_out = gout.data_ptr();
-    p.grad_value_acc = grad_value_acc.data_ptr();
-    p.grad_loc = grad_loc.data_ptr();
-    p.grad_attn = grad_attn.data_ptr();
-    // One 16-byte vector of the accumulator per lane (4 fp32 / 2 fp64
-    // channels), so that the group's vector atomics cover contiguous memory.
-    const int want = vt == at::kDouble ? 2 : 4;
-    p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
-    C10_CUDA_CHECK(cuda::backward(p, at::cuda::getCurrentCUDAStream()));
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  in.loc = aligned_pairs(in.loc);
+  BackwardParams p;
+  set_inputs(p, in);
+  p.grad_out = gout.data_ptr();
+  p.grad_loc = grad_loc.data_ptr();
+  p.grad_attn = grad_attn.data_ptr();
+  // One 16-byte vector of the accumulator per lane (4 fp32 / 2 fp64
+  // channels), so that the group's vector atomics cover contiguous memory.
+  const int want = vt == at::kDouble ? 2 : 4;
+  p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
+  at::Tensor grad_value;
+  if (deterministic) {
+    grad_value = deterministic_grad_value(p, in, stream);
+  } else {
+    auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
+    if (pb.N * pb.Lq * pb.M > 0) {
+      p.grad_value_acc = grad_value_acc.data_ptr();
+      C10_CUDA_CHECK(cuda::backward(p, stream));
+    }
+    grad_value = grad_value_acc.to(vt);
   }
-  return {grad_value_acc.to(vt), grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
+  return {grad_value, grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
 }
 
 // Installs the CUDA hooks when the library loads.

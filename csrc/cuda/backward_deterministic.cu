@@ -1,0 +1,170 @@
+// Deterministic grad_value: a gather instead of atomics, so every run adds the
+// same numbers in the same order and the result is bitwise reproducible.
+//
+//   1. backward_kernel (backward.cu) computes grad of locations and weights as
+//      usual (those are deterministic already) and writes, for every sample,
+//      the key of the bilinear cell its footprint lies in (cell_key()).
+//   2. sort_samples: a stable radix sort of (key, sample index) over only the
+//      bits the keys use. Samples of one cell end up together, in sample order.
+//   3. cell_starts: start[c] = first sorted position with key >= c (binary
+//      search), so the samples of cell c are ids[start[c] .. start[c + 1]).
+//   4. value_grad_gather: one lane group per value pixel (n, s, m) walks the
+//      samples of the four cells that have the pixel as a corner, in that fixed
+//      order, and writes the pixel's grad once, in the value's dtype. Pixels
+//      no sample touches get 0; no zero-fill pass, no accumulator buffer.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "common.cuh"
+#include "launch.h"
+
+namespace msda::cuda {
+namespace {
+
+// What the gather launch needs (launch_for_dtypes reads pb and vec).
+struct GatherParams {
+  Problem pb;
+  int vec;
+  BackwardParams bw;
+  const DeterministicBuffers* buf;
+};
+
+template <typename K>
+__global__ void cell_starts_kernel(const K* __restrict__ sorted, int64_t items, int64_t cells,
+                                   int64_t* __restrict__ start) {
+  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c > cells) return;
+  int64_t lo = 0, hi = items;  // first position whose key >= c
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (int64_t(sorted[mid]) < c) lo = mid + 1; else hi = mid;
+  }
+  start[c] = lo;
+}
+
+template <typename T, typename LT, int VEC, bool kMulti, typename Id>
+__global__ void __launch_bounds__(kThreads)
+    value_grad_gather(const BackwardParams p, const Id* __restrict__ ids,
+                      const int64_t* __restrict__ cell_start, T* __restrict__ grad_value,
+                      const int lanes) {
+  using A = acc_t<T>;
+  const Problem& pb = p.pb;
+  __shared__ Level levels[kMaxLevels];
+  __shared__ int64_t cell_base[kMaxLevels];
+  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
+  __syncthreads();
+  load_cell_bases(cell_base, levels, pb.L);
+  __syncthreads();
+
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t group = tid / lanes;  // value row (n, s, m)
+  if (group >= pb.N * pb.S * pb.M) return;
+  const int lane = static_cast<int>(tid % lanes);
+  const int64_t m = group % pb.M, s = (group / pb.M) % pb.S, n = group / (pb.M * pb.S);
+  T* out = grad_value + group * pb.D;
+
+  int l = 0;  // the level holding pixel s (if any)
+  while (l < pb.L && !(levels[l].H > 0 && s >= levels[l].start &&
+                       s - levels[l].start < int64_t(levels[l].H) * levels[l].W)) {
+    ++l;
+  }
+  const int64_t LP = int64_t(pb.L) * pb.P;
+  for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
+    A acc[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] = A(0);
+    if (l < pb.L) {
+      const Level lv = levels[l];
+      const int pix = static_cast<int>(s - lv.start);
+      const int y = pix / lv.W, x = pix % lv.W;
+      const int64_t nm = n * pb.M + m;
+      // Corner k of cell (y - (k >> 1), x - (k & 1)) is this pixel.
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int64_t cell =
+            int64_t(cell_key(nm, p.cell_stride, cell_base[l], y - (k >> 1), x - (k & 1), lv.W));
+        const int64_t end = cell_start[cell + 1];
+        for (int64_t j = cell_start[cell]; j < end; ++j) {
+          const int64_t id = static_cast<int64_t>(ids[j]);
+          const int64_t row = id / LP;  // the sample's (n, q, m)
+          A xy[2];
+          load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
+          const A w = A(to_acc(static_cast<const LT*>(p.attn)[id]));
+          // Same arithmetic as the key's: the same cell, the same weights.
+          const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
+          const A scale = w * b.weight(k);
+          A go[VEC];
+          load_vec<T, VEC>(static_cast<const T*>(p.grad_out) + row * pb.D + c, go);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[e] += scale * go[e];
+        }
+      }
+    }
+    store_vec<T, VEC>(out + c, acc);
+    if (!kMulti) break;
+  }
+}
+
+template <typename T, typename LT, int VEC>
+struct GatherLaunch {
+  template <typename Id>
+  static cudaError_t go(const BackwardParams& p, const Id* ids, const int64_t* start, void* gv,
+                        cudaStream_t stream) {
+    const int lanes = lanes_for(p.pb.D, VEC);
+    const int64_t threads = p.pb.N * p.pb.S * p.pb.M * lanes;
+    if (threads == 0) return cudaGetLastError();
+    T* out = static_cast<T*>(gv);
+    if (p.pb.D > int64_t(lanes) * VEC) {
+      value_grad_gather<T, LT, VEC, true, Id>
+          <<<grid_for(threads), kThreads, 0, stream>>>(p, ids, start, out, lanes);
+    } else {
+      value_grad_gather<T, LT, VEC, false, Id>
+          <<<grid_for(threads), kThreads, 0, stream>>>(p, ids, start, out, lanes);
+    }
+    return cudaGetLastError();
+  }
+  static cudaError_t run(const GatherParams& g, cudaStream_t stream) {
+    const DeterministicBuffers& b = *g.buf;
+    const auto* start = static_cast<const int64_t*>(b.cell_starts);
+    return b.wide ? go(g.bw, static_cast<const uint64_t*>(b.sorted_ids), start, b.grad_value, stream)
+                  : go(g.bw, static_cast<const unsigned*>(b.sorted_ids), start, b.grad_value, stream);
+  }
+};
+
+template <typename K>
+cudaError_t sort_pairs(void* temp, size_t& temp_bytes, const DeterministicBuffers& b,
+                       cudaStream_t stream) {
+  return cub::DeviceRadixSort::SortPairs(
+      temp, temp_bytes, static_cast<const K*>(b.keys), static_cast<K*>(b.sorted_keys),
+      static_cast<const K*>(b.ids), static_cast<K*>(b.sorted_ids), b.items, 0, b.end_bit, stream);
+}
+
+}  // namespace
+
+size_t deterministic_temp_bytes(const DeterministicBuffers& b) {
+  size_t bytes = 0;
+  const cudaError_t err = b.wide ? sort_pairs<uint64_t>(nullptr, bytes, b, nullptr)
+                                 : sort_pairs<unsigned>(nullptr, bytes, b, nullptr);
+  return err == cudaSuccess ? bytes : 0;
+}
+
+cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,
+                                     cudaStream_t stream) {
+  size_t bytes = b.temp_bytes;
+  cudaError_t err = b.wide ? sort_pairs<uint64_t>(b.temp, bytes, b, stream)
+                           : sort_pairs<unsigned>(b.temp, bytes, b, stream);
+  if (err != cudaSuccess) return err;
+  const unsigned blocks = grid_for(b.cells + 1);
+  auto* start = static_cast<int64_t*>(b.cell_starts);
+  if (b.wide) {
+    cell_starts_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint64_t*>(b.sorted_keys),
+                                                        b.items, b.cells, start);
+  } else {
+    cell_starts_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const unsigned*>(b.sorted_keys),
+                                                        b.items, b.cells, start);
+  }
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  const GatherParams g{p.pb, b.vec, p, &b};
+  return launch_for_dtypes<GatherLaunch>(g, stream);
+}
+
+}  // namespace msda::cuda
