@@ -3,7 +3,7 @@
 # test suite, run the benchmark; logs, JSON and PNG go under $OUT when set
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
-#   STAGES="build test bench"   stages to run (also: sass, sanitize)
+#   STAGES="build test bench"   stages to run (also: ktimes, profile, sass, diag)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -55,6 +55,11 @@ for stage in $STAGES; do
         --metrics l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,lts__t_sector_hit_rate.pct,smsp__inst_executed.sum,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum \
         $PY scripts/profile_kernels.py ${PROFILE_ARGS:-} > "$OUT/ncu.txt" 2>&1 || status=1
       grep -E "forward_kernel|backward_kernel|Duration|Throughput|Hit Rate|Achieved Occupancy|Stall|wavefronts|requests|sectors|inst_executed|No Eligible|Issued Warp" "$OUT/ncu.txt" | head -150 ;;
+    ktimes)
+      # Per-kernel backward times (KTIMES_ARGS="workload dtype", repeatable
+      # with ';' between runs).
+      IFS=';' read -ra runs <<< "${KTIMES_ARGS:-ddetr_enc bf16}"
+      for r in "${runs[@]}"; do $PY scripts/kernel_times.py $r; done 2>&1 | tee -a "$OUT/ktimes.txt" ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;

@@ -8,7 +8,10 @@
 //      bits the keys use. Samples of one cell end up together, in sample order.
 //   3. cell_starts: start[c] = first sorted position with key >= c (binary
 //      search), so the samples of cell c are ids[start[c] .. start[c + 1]).
-//   4. value_grad_gather: one lane group per value pixel (n, s, m) walks the
+//   4. pack_samples: per sorted position, the sample's grad_output row and its
+//      four corner weights times its attention weight, stored contiguously so
+//      that the gather reads them with independent, sequential loads.
+//   5. value_grad_gather: one lane group per value pixel (n, s, m) walks the
 //      samples of the four cells that have the pixel as a corner, in that fixed
 //      order, and writes the pixel's grad once, in the value's dtype. Pixels
 //      no sample touches get 0; no zero-fill pass, no accumulator buffer.
@@ -41,11 +44,40 @@ __global__ void cell_starts_kernel(const K* __restrict__ sorted, int64_t items, 
   start[c] = lo;
 }
 
-template <typename T, typename LT, int VEC, bool kMulti, typename Id>
+// Sorted position j -> rows[j] (the sample's (n, q, m)) and wts[j][k] =
+// attention weight * bilinear weight of corner k. Positions past the last
+// sample that touches a cell (start[cells]) hold the samples that touch
+// nothing and are skipped.
+template <typename A, typename LT, typename Id>
 __global__ void __launch_bounds__(kThreads)
-    value_grad_gather(const BackwardParams p, const Id* __restrict__ ids,
-                      const int64_t* __restrict__ cell_start, T* __restrict__ grad_value,
-                      const int lanes) {
+    pack_samples(const BackwardParams p, const Id* __restrict__ sorted_ids,
+                 const int64_t* __restrict__ cell_start, int64_t cells, Id* __restrict__ rows,
+                 A* __restrict__ wts) {
+  const Problem& pb = p.pb;
+  __shared__ Level levels[kMaxLevels];
+  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
+  __syncthreads();
+  const int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= cell_start[cells]) return;
+  const int64_t id = static_cast<int64_t>(sorted_ids[j]);
+  const int64_t LP = int64_t(pb.L) * pb.P;
+  const int64_t row = id / LP;
+  const Level lv = levels[(id - row * LP) / pb.P];
+  A xy[2];
+  load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
+  const A w = A(to_acc(static_cast<const LT*>(p.attn)[id]));
+  // The arithmetic of the key's: the same cell, hence the same corners.
+  const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
+  rows[j] = Id(row);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);
+}
+
+template <typename T, int VEC, bool kMulti, typename Id>
+__global__ void __launch_bounds__(kThreads)
+    value_grad_gather(const BackwardParams p, const Id* __restrict__ rows,
+                      const acc_t<T>* __restrict__ wts, const int64_t* __restrict__ cell_start,
+                      T* __restrict__ grad_value, const int lanes) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
@@ -61,13 +93,13 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = static_cast<int>(tid % lanes);
   const int64_t m = group % pb.M, s = (group / pb.M) % pb.S, n = group / (pb.M * pb.S);
   T* out = grad_value + group * pb.D;
+  const T* gout = static_cast<const T*>(p.grad_out);
 
   int l = 0;  // the level holding pixel s (if any)
   while (l < pb.L && !(levels[l].H > 0 && s >= levels[l].start &&
                        s - levels[l].start < int64_t(levels[l].H) * levels[l].W)) {
     ++l;
   }
-  const int64_t LP = int64_t(pb.L) * pb.P;
   for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
     A acc[VEC];
 #pragma unroll
@@ -77,23 +109,17 @@ __global__ void __launch_bounds__(kThreads)
       const int pix = static_cast<int>(s - lv.start);
       const int y = pix / lv.W, x = pix % lv.W;
       const int64_t nm = n * pb.M + m;
-      // Corner k of cell (y - (k >> 1), x - (k & 1)) is this pixel.
+      // This pixel is corner k of cell (y - (k >> 1), x - (k & 1)).
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
         const int64_t cell =
             int64_t(cell_key(nm, p.cell_stride, cell_base[l], y - (k >> 1), x - (k & 1), lv.W));
         const int64_t end = cell_start[cell + 1];
+#pragma unroll 2
         for (int64_t j = cell_start[cell]; j < end; ++j) {
-          const int64_t id = static_cast<int64_t>(ids[j]);
-          const int64_t row = id / LP;  // the sample's (n, q, m)
-          A xy[2];
-          load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
-          const A w = A(to_acc(static_cast<const LT*>(p.attn)[id]));
-          // Same arithmetic as the key's: the same cell, the same weights.
-          const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
-          const A scale = w * b.weight(k);
+          const A scale = wts[4 * j + k];
           A go[VEC];
-          load_vec<T, VEC>(static_cast<const T*>(p.grad_out) + row * pb.D + c, go);
+          load_vec<T, VEC>(gout + static_cast<int64_t>(rows[j]) * pb.D + c, go);
 #pragma unroll
           for (int e = 0; e < VEC; ++e) acc[e] += scale * go[e];
         }
@@ -107,26 +133,32 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, typename LT, int VEC>
 struct GatherLaunch {
   template <typename Id>
-  static cudaError_t go(const BackwardParams& p, const Id* ids, const int64_t* start, void* gv,
-                        cudaStream_t stream) {
+  static cudaError_t go(const GatherParams& g, cudaStream_t stream) {
+    using A = acc_t<T>;
+    const DeterministicBuffers& b = *g.buf;
+    const BackwardParams& p = g.bw;
+    const auto* start = static_cast<const int64_t*>(b.cell_starts);
+    const auto* sorted = static_cast<const Id*>(b.sorted_ids);
+    auto* rows = static_cast<Id*>(b.rows);
+    auto* wts = static_cast<A*>(b.weights);
+    pack_samples<A, LT, Id><<<grid_for(b.items), kThreads, 0, stream>>>(p, sorted, start, b.cells,
+                                                                      rows, wts);
+    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     const int lanes = lanes_for(p.pb.D, VEC);
     const int64_t threads = p.pb.N * p.pb.S * p.pb.M * lanes;
-    if (threads == 0) return cudaGetLastError();
-    T* out = static_cast<T*>(gv);
+    if (threads == 0) return cudaSuccess;
+    T* out = static_cast<T*>(b.grad_value);
     if (p.pb.D > int64_t(lanes) * VEC) {
-      value_grad_gather<T, LT, VEC, true, Id>
-          <<<grid_for(threads), kThreads, 0, stream>>>(p, ids, start, out, lanes);
+      value_grad_gather<T, VEC, true, Id>
+          <<<grid_for(threads), kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
     } else {
-      value_grad_gather<T, LT, VEC, false, Id>
-          <<<grid_for(threads), kThreads, 0, stream>>>(p, ids, start, out, lanes);
+      value_grad_gather<T, VEC, false, Id>
+          <<<grid_for(threads), kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
     }
     return cudaGetLastError();
   }
   static cudaError_t run(const GatherParams& g, cudaStream_t stream) {
-    const DeterministicBuffers& b = *g.buf;
-    const auto* start = static_cast<const int64_t*>(b.cell_starts);
-    return b.wide ? go(g.bw, static_cast<const uint64_t*>(b.sorted_ids), start, b.grad_value, stream)
-                  : go(g.bw, static_cast<const unsigned*>(b.sorted_ids), start, b.grad_value, stream);
+    return g.buf->wide ? go<uint64_t>(g, stream) : go<unsigned>(g, stream);
   }
 };
 

@@ -33,6 +33,8 @@ struct DeterministicBuffers {
   void* temp = nullptr;     // the sort's scratch, deterministic_temp_bytes() long
   size_t temp_bytes = 0;
   void* cell_starts = nullptr;  // cells + 1 int64
+  void* rows = nullptr;         // items, like ids (may alias keys: free after the sort)
+  void* weights = nullptr;      // 4 * items in the accumulation type
   void* grad_value = nullptr;   // (N, S, M, D) in the value's dtype, written completely
   int vec = 1;              // elements per vector access of the gather (16 / sizeof(T) or 1)
 };

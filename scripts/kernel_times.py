@@ -1,0 +1,39 @@
+"""Per-kernel GPU times of the backward (fast and deterministic) on one
+workload, from torch.profiler: where the backward's time goes.
+
+    python scripts/kernel_times.py [workload] [dtype]
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+from ms_deform_attn import workloads as W  # noqa: E402
+
+name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
+dname = sys.argv[2] if len(sys.argv) > 2 else "bf16"
+dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dname]
+inputs = W.make_inputs(W.get(name), dtype, torch.float32, device="cuda")
+grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * inputs[0].shape[3],
+                   device="cuda", dtype=dtype)
+bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
+reps = 10
+for det in (False, True):
+    for _ in range(3):
+        bwd(grad, *inputs, det)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            bwd(grad, *inputs, det)
+        torch.cuda.synchronize()
+    print(f"== {name} {dname} backward, deterministic={det}: GPU time per call by kernel (us)")
+    total = 0.0
+    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
+        if e.device_time_total <= 0:
+            continue
+        t = e.device_time_total / reps
+        total += t
+        print(f"{t:9.1f}  {e.key[:110]}")
+    print(f"{total:9.1f}  total")
