@@ -1,7 +1,8 @@
 // Backward shared by every forward backend. `lanes` threads per (query,
-// head), VEC channels each, VEC = one 16-byte vector of the accumulator (4
-// channels; 2 for fp64), so that a group's vector atomics into grad_value
-// cover contiguous memory.
+// head), VEC channels each, VEC = 32 bytes of the accumulator (8 channels; 4
+// for fp64): few lanes per group, so that the per-sample work every lane
+// repeats (location, weights, shuffles) is shared by many channels; a group's
+// vector atomics into grad_value cover contiguous memory.
 //   grad_value: fp32 (fp64 for fp64) atomicAdd into a zeroed accumulator,
 //   VEC channels per instruction on sm_90+ (vector atomics);
 //   grad of locations and weights: per-lane partial dot products over
@@ -150,8 +151,8 @@ struct Launch {
 }  // namespace
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
-  // A lane owns one 16-byte vector of the fp32 / fp64 accumulator.
-  return launch_for_dtypes<Launch, /*kVecOfAcc=*/true>(p, stream);
+  // A lane owns 32 bytes of the fp32 / fp64 accumulator.
+  return launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/32>(p, stream);
 }
 
 }  // namespace msda::cuda
