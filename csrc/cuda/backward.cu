@@ -1,9 +1,12 @@
 // Backward shared by every forward backend. `lanes` threads per (query,
-// head), kChunks vectors of VEC channels each, VEC = one 16-byte vector of the
-// accumulator (4 channels; 2 for fp64): few lanes per group (4 for D = 32),
-// so that the per-sample work every lane repeats (location, weights,
-// shuffles) is shared by many channels, while each vector atomic instruction
-// of a group still covers contiguous memory.
+// head), VEC channels each. Two shapes, both measured best for their job
+// (benchmarks/NOTES.md):
+//   with grad_value atomics: VEC = 16 bytes of the accumulator (4 channels, 8
+//   lanes for D = 32), so that a group's vector atomic instruction covers a
+//   whole 128-byte line;
+//   without (deterministic path): VEC = 32 bytes of the accumulator (8
+//   channels, 4 lanes), halving the per-sample work every lane repeats
+//   (location, bilinear weights, shuffle reductions).
 //   grad_value: fp32 (fp64 for fp64) atomicAdd into a zeroed accumulator,
 //   VEC channels per instruction on sm_90+ (vector atomics);
 //   grad of locations and weights: per-lane partial dot products over
@@ -34,10 +37,7 @@ __device__ __forceinline__ void write_key(const BackwardParams& p, int64_t sampl
   }
 }
 
-// Vectors of VEC channels per lane and pass.
-constexpr int kChunks = 2;
-
-// kMulti: D spans more than one pass of the group's lanes (D > lanes * kChunks * VEC), so
+// kMulti: D spans more than one pass of the group's lanes (D > 32 * VEC), so
 // grad_output is re-read per pass instead of being kept in registers.
 template <typename T, typename LT, int VEC, bool kMulti>
 __global__ void __launch_bounds__(kThreads)
@@ -72,25 +72,17 @@ __global__ void __launch_bounds__(kThreads)
   LT* gloc = static_cast<LT*>(p.grad_loc) + group * LP * 2;
   LT* gattn = static_cast<LT*>(p.grad_attn) + group * LP;
 
-  // Lane j owns kChunks vectors of VEC channels, at c0 + u * cstep: the
-  // group's lanes cover contiguous 16-byte vectors, so each vector atomic
-  // instruction updates whole sectors.
   const int64_t c0 = int64_t(lane) * VEC;
   const int64_t cstep = int64_t(lanes) * VEC;
-  A go[kChunks][VEC];
-  auto load_gout = [&](int64_t cb) {
+  A go[VEC];
+  if (!kMulti) {
+    if (active && c0 < pb.D) {
+      load_vec<T, VEC>(gout + c0, go);
+    } else {
 #pragma unroll
-    for (int u = 0; u < kChunks; ++u) {
-      const int64_t c = cb + u * cstep;
-      if (active && c < pb.D) {
-        load_vec<T, VEC>(gout + c, go[u]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) go[u][e] = A(0);
-      }
+      for (int e = 0; e < VEC; ++e) go[e] = A(0);
     }
-  };
-  if (!kMulti) load_gout(c0);
+  }
 
   for (int l = 0; l < pb.L; ++l) {
     const Level lv = levels[l];
@@ -106,33 +98,28 @@ __global__ void __launch_bounds__(kThreads)
       const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
       A g_attn = A(0), g_lw = A(0), g_lh = A(0);
       if (b.inside) {
-        for (int64_t cb = c0; cb < pb.D; cb += cstep * kChunks) {
-          if (kMulti) load_gout(cb);
+        for (int64_t c = c0; c < pb.D; c += cstep) {
+          if (kMulti) load_vec<T, VEC>(gout + c, go);
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             if (!b.corner_ok(k, lv.H, lv.W)) continue;
-            const int64_t pix = lbase + b.corner_offset(k, lv.W) * row_stride;
-            const A wk = b.weight(k);
+            const int64_t off = lbase + b.corner_offset(k, lv.W) * row_stride + c;
+            A v[VEC];
+            load_vec<T, VEC>(vbase + off, v);
             A dot = A(0);
 #pragma unroll
-            for (int u = 0; u < kChunks; ++u) {
-              const int64_t c = cb + u * cstep;
-              if (c >= pb.D) continue;
-              A v[VEC];
-              load_vec<T, VEC>(vbase + pix + c, v);
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) dot += go[u][e] * v[e];
-              if (value_grad) {
-                const A scale = w * wk;
-                A add[VEC];
-#pragma unroll
-                for (int e = 0; e < VEC; ++e) add[e] = scale * go[u][e];
-                atomic_add_vec<VEC>(gvbase + pix + c, add);
-              }
-            }
+            for (int e = 0; e < VEC; ++e) dot += go[e] * v[e];
+            const A wk = b.weight(k);
             g_attn += wk * dot;
             g_lw += b.dweight_dlw(k) * dot;
             g_lh += b.dweight_dlh(k) * dot;
+            if (value_grad) {
+              const A scale = w * wk;
+              A add[VEC];
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
+              atomic_add_vec<VEC>(gvbase + off, add);
+            }
           }
           if (!kMulti) break;
         }
@@ -153,9 +140,9 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
-    const int lanes = lanes_for(p.pb.D, VEC * kChunks);
+    const int lanes = lanes_for(p.pb.D, VEC);
     const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
-    const bool multi = p.pb.D > int64_t(lanes) * VEC * kChunks;
+    const bool multi = p.pb.D > int64_t(lanes) * VEC;
     if (multi) {
       backward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
     } else {
@@ -168,8 +155,9 @@ struct Launch {
 }  // namespace
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
-  // A lane's vectors are 16 bytes of the fp32 / fp64 accumulator.
-  return launch_for_dtypes<Launch, /*kVecOfAcc=*/true>(p, stream);
+  return p.grad_value_acc != nullptr
+             ? launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/16>(p, stream)
+             : launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/32>(p, stream);
 }
 
 }  // namespace msda::cuda

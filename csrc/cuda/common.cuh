@@ -54,10 +54,23 @@ __device__ __forceinline__ void unpack(const R& raw, acc_t<T> (&out)[N]) {
   }
 }
 
+// More than 16 bytes go as several 16-byte loads.
 template <typename T, int N>
 __device__ __forceinline__ void load_vec(const T* __restrict__ p, acc_t<T> (&out)[N]) {
-  using R = typename RawVec<sizeof(T) * N>::type;
-  unpack<T, N>(__ldg(reinterpret_cast<const R*>(p)), out);
+  if constexpr (sizeof(T) * N > 16) {
+    constexpr int C = 16 / sizeof(T);
+    static_assert(N % C == 0, "vector of more than 16 bytes must split into 16-byte parts");
+#pragma unroll
+    for (int i = 0; i < N; i += C) {
+      acc_t<T> part[C];
+      load_vec<T, C>(p + i, part);
+#pragma unroll
+      for (int e = 0; e < C; ++e) out[i + e] = part[e];
+    }
+  } else {
+    using R = typename RawVec<sizeof(T) * N>::type;
+    unpack<T, N>(__ldg(reinterpret_cast<const R*>(p)), out);
+  }
 }
 
 // Same from shared memory (no read-only-cache path there).
@@ -209,17 +222,18 @@ void dispatch_dtypes(const Problem& pb, F&& f) {
 }
 
 // Runs Launch<T, LT, VEC>::run(p, stream) for the problem's dtype pair, with
-// VEC = one 16-byte vector (of T, or of the accumulator type when
-// kVecOfAcc) when the binding allowed vector access (p.vec), else 1. The
-// kernels are instantiated for exactly these two widths.
+// VEC = kVecBytes bytes (of T, or of the accumulator type when kVecOfAcc)
+// when the binding allowed vector access (p.vec), else 1. The kernels are
+// instantiated for exactly these two widths.
 template <template <typename, typename, int> class Launch, bool kVecOfAcc = false,
-          typename Params>
+          int kVecBytes = 16, typename Params>
 cudaError_t launch_for_dtypes(const Params& p, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
   dispatch_dtypes(p.pb, [&](auto t, auto lt) {
     using T = typename decltype(t)::type;
     using LT = typename decltype(lt)::type;
-    constexpr int kVec = 16 / static_cast<int>(kVecOfAcc ? sizeof(acc_t<T>) : sizeof(T));
+    constexpr int kVec =
+        kVecBytes / static_cast<int>(kVecOfAcc ? sizeof(acc_t<T>) : sizeof(T));
     err = p.vec == kVec ? Launch<T, LT, kVec>::run(p, stream) : Launch<T, LT, 1>::run(p, stream);
   });
   return err;

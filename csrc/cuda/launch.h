@@ -16,7 +16,8 @@ int64_t persistent_workspace_bytes(const Problem& pb);  // its zeroed tile count
 
 // Backward shared by every forward backend. grad_value_acc must be zeroed;
 // with grad_value_acc null it leaves grad_value out and (cell_keys set) writes
-// the sample keys for the deterministic path instead.
+// the sample keys for the deterministic path instead. p.vec: 16 bytes of the
+// accumulator with grad_value_acc, 32 without (or 1).
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
 
 // Deterministic grad_value (backward_deterministic.cu), after backward() wrote

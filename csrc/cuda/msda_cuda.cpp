@@ -204,8 +204,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   p.grad_out = gout.data_ptr();
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
-  // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels).
-  const int want = vt == at::kDouble ? 2 : 4;
+  // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
+  // atomics, 32 bytes without (see backward.cu).
+  const int want = (vt == at::kDouble ? 2 : 4) * (deterministic ? 2 : 1);
   p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
   at::Tensor grad_value;
   if (deterministic) {
