@@ -11,6 +11,34 @@ namespace {
 
 const char* kOp = "ms_deform_attn: ";
 
+bool check_device_shapes() {
+  const char* env = std::getenv("MS_DEFORM_ATTN_CHECK_SHAPES");
+  return env != nullptr && std::string(env) == "1";
+}
+
+// spatial_shapes / level_start_index values (host tensors).
+void check_level_values(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                        const Problem& pb) {
+  auto shapes = spatial_shapes.contiguous();
+  auto starts = level_start_index.contiguous();
+  const int64_t* sh = shapes.data_ptr<int64_t>();
+  const int64_t* st = starts.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int l = 0; l < pb.L; ++l) {
+    const int64_t H = sh[2 * l], W = sh[2 * l + 1];
+    TORCH_CHECK(H > 0 && W > 0, kOp, "spatial_shapes[", l, "] = (", H, ", ", W,
+                ") must be positive (H, W)");
+    TORCH_CHECK(H * W <= INT32_MAX, kOp, "spatial_shapes[", l, "] = (", H, ", ", W,
+                "): H * W must be < 2^31");
+    TORCH_CHECK(st[l] == total, kOp, "level_start_index[", l,
+                "] must be the exclusive cumulative sum of H * W, expected ", total, ", got ",
+                st[l]);
+    total += H * W;
+  }
+  TORCH_CHECK(total == pb.S, kOp, "value.size(1) (S) must equal the sum of H * W over levels = ",
+              total, ", got ", pb.S);
+}
+
 void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* layout) {
   TORCH_CHECK(t.dim() == rank, kOp, name, " must have ", rank, " dimensions ", layout,
               ", got ", t.dim(), " (shape ", t.sizes(), ")");
@@ -120,26 +148,12 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   // Values of spatial_shapes / level_start_index: checkable without a host
   // sync only when they live on the CPU. On CUDA the kernels treat a level
   // that does not fit inside value as empty, so bad values never read out of
-  // bounds.
-  if (spatial_shapes.device().is_cpu()) {
-    auto shapes = spatial_shapes.contiguous();
-    auto starts = level_start_index.contiguous();
-    const int64_t* sh = shapes.data_ptr<int64_t>();
-    const int64_t* st = starts.data_ptr<int64_t>();
-    int64_t total = 0;
-    for (int l = 0; l < pb.L; ++l) {
-      const int64_t H = sh[2 * l], W = sh[2 * l + 1];
-      TORCH_CHECK(H > 0 && W > 0, kOp, "spatial_shapes[", l, "] = (", H, ", ", W,
-                  ") must be positive (H, W)");
-      TORCH_CHECK(H * W <= INT32_MAX, kOp, "spatial_shapes[", l, "] = (", H, ", ", W,
-                  "): H * W must be < 2^31");
-      TORCH_CHECK(st[l] == total, kOp, "level_start_index[", l,
-                  "] must be the exclusive cumulative sum of H * W, expected ", total, ", got ",
-                  st[l]);
-      total += H * W;
-    }
-    TORCH_CHECK(total == pb.S, kOp, "value.size(1) (S) must equal the sum of H * W over levels = ",
-                total, ", got ", pb.S);
+  // bounds; MS_DEFORM_ATTN_CHECK_SHAPES=1 checks them there too, at the cost
+  // of a device-to-host copy (a sync: not for CUDA-graph capture).
+  if (spatial_shapes.device().is_cpu() && level_start_index.device().is_cpu()) {
+    check_level_values(spatial_shapes, level_start_index, pb);
+  } else if (check_device_shapes()) {
+    check_level_values(spatial_shapes.cpu(), level_start_index.cpu(), pb);
   }
 
   Prepared in;

@@ -3,7 +3,8 @@
 # test suite, run the benchmark; logs, JSON and PNG go under $OUT when set
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
-#   STAGES="build test bench"   stages to run (also: ktimes, profile, sass, diag)
+#   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes,
+#                               profile, sass, diag)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -55,6 +56,26 @@ for stage in $STAGES; do
         --metrics l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,lts__t_sector_hit_rate.pct,smsp__inst_executed.sum,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum \
         $PY scripts/profile_kernels.py ${PROFILE_ARGS:-} > "$OUT/ncu.txt" 2>&1 || status=1
       grep -E "forward_kernel|backward_kernel|Duration|Throughput|Hit Rate|Achieved Occupancy|Stall|wavefronts|requests|sectors|inst_executed|No Eligible|Issued Warp" "$OUT/ncu.txt" | head -150 ;;
+    sanitize)
+      # compute-sanitizer over the small suite, one tool at a time; any report
+      # fails the stage. initcheck looks at this package's kernels only
+      # (PyTorch's own kernels are not ours to check).
+      for tool in memcheck racecheck synccheck initcheck; do
+        extra=""; [ $tool = initcheck ] && extra="--kernel-name kns=msda"
+        if compute-sanitizer --tool $tool $extra --error-exitcode 9 --print-limit 20 \
+            $PY tests/sanitize_suite.py > "$OUT/sanitize_$tool.txt" 2>&1; then
+          echo "sanitize $tool: clean ($(grep -h 'sanitize suite' "$OUT/sanitize_$tool.txt"); $(grep -h 'ERROR SUMMARY' "$OUT/sanitize_$tool.txt" | tail -1))"
+        else
+          echo "sanitize $tool: FAILED"; tail -40 "$OUT/sanitize_$tool.txt"; status=1
+        fi
+      done ;;
+    stress)
+      $PY tests/stress.py --iterations ${STRESS_ITERATIONS:-3000} 2>&1 | tee "$OUT/stress.txt" | tail -5
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "STRESS FAILED"; status=1; } ;;
+    fuzz)
+      MSDA_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} $PY -m pytest -q -p no:cacheprovider tests/test_fuzz.py \
+        --hypothesis-show-statistics 2>&1 | tee "$OUT/fuzz.txt" | tail -15
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "FUZZ FAILED"; status=1; } ;;
     ktimes)
       # Per-kernel backward times (KTIMES_ARGS="workload dtype", repeatable
       # with ';' between runs).

@@ -84,3 +84,33 @@ def rel_err(out, ref):
 
 def run(value, shapes, start, loc, attn, backend):
     return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
+
+
+def reference_gather(value, shapes, start, loc, attn):
+    """Float64 MSDA by direct corner gathers (no grid_sample, no float64 copy
+    of value): for a few queries against a value tensor too large to copy.
+    spatial_shapes on the host or the device; non-finite locations sample
+    nothing. Differentiable in loc and attn."""
+    n, _, m, d = value.shape
+    levels = [(int(h), int(w)) for h, w in shapes.tolist()]
+    starts = [int(s) for s in start.tolist()]
+    out = torch.zeros(loc.shape[:3] + (d,), dtype=torch.float64, device=value.device)
+    n_idx = torch.arange(n, device=value.device)[:, None, None, None]
+    m_idx = torch.arange(m, device=value.device)[None, None, :, None]
+    for lvl, (h, w) in enumerate(levels):
+        x = loc[..., lvl, :, 0].double() * w - 0.5  # (N, Q, M, P)
+        y = loc[..., lvl, :, 1].double() * h - 0.5
+        finite = torch.isfinite(x) & torch.isfinite(y)
+        x = torch.where(finite, x, torch.full_like(x, -10.0))
+        y = torch.where(finite, y, torch.full_like(y, -10.0))
+        x0, y0 = x.detach().floor(), y.detach().floor()
+        a = attn[..., lvl, :].double()
+        for dy in (0, 1):
+            for dx in (0, 1):
+                xi, yi = x0 + dx, y0 + dy
+                wgt = (1 - (x - xi).abs()) * (1 - (y - yi).abs())
+                ok = (xi >= 0) & (xi < w) & (yi >= 0) & (yi < h)
+                pix = starts[lvl] + (yi.clamp(0, h - 1) * w + xi.clamp(0, w - 1)).long()
+                v = value[n_idx, pix, m_idx].double()  # (N, Q, M, P, D)
+                out = out + ((wgt * ok * a)[..., None] * v).sum(3)
+    return out.reshape(out.shape[0], out.shape[1], m * d)

@@ -51,8 +51,12 @@ CASES = [
     ("start_int32", lambda a: replace(a, 2, a[2].int()), r"level_start_index must be int64.*got Int"),
 ]
 
-# Value checks that need spatial_shapes on the host: CPU only.
+# Value checks that need spatial_shapes on the host: on the CPU always, on
+# CUDA with MS_DEFORM_ATTN_CHECK_SHAPES=1 (a sync); without it, CUDA treats
+# levels that do not fit as empty and never reads out of bounds.
 CPU_CASES = [
+    ("start_out_of_range", lambda a: replace(a, 2, torch.tensor([0, 1000])),
+     r"level_start_index\[1\] must be the exclusive cumulative sum of H \* W, expected 24, got 1000"),
     ("sum_hw", lambda a: replace(a, 0, a[0][:, :-1]),
      r"value.size\(1\) \(S\) must equal the sum of H \* W over levels = 30, got 29"),
     ("start_values", lambda a: replace(a, 2, torch.tensor([0, 23])),
@@ -64,18 +68,40 @@ CPU_CASES = [
 ]
 
 
+def assert_usable(device):
+    """The process still works after an error: a kernel runs and syncs."""
+    x = torch.ones(3, device=device)
+    assert (x + 1).sum().item() == 6
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("name,mutate,pattern", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(device, backend, name, mutate, pattern):
     args = mutate(good(device))
     with pytest.raises(RuntimeError, match=pattern):
         run(*args, backend)
+    assert_usable(device)
 
 
+def on_device(args, device):
+    return [a.to(device) for a in args]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("name,mutate,pattern", CPU_CASES, ids=[c[0] for c in CPU_CASES])
-def test_bad_values_cpu(name, mutate, pattern):
+def test_bad_values(device, backend, name, mutate, pattern, monkeypatch):
+    args = on_device(mutate(good("cpu")), device)
+    if device == "cuda":
+        # Unchecked (the default: no sync): runs, reads nothing out of bounds.
+        out = run(*args, backend)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any()
+        monkeypatch.setenv("MS_DEFORM_ATTN_CHECK_SHAPES", "1")
     with pytest.raises(RuntimeError, match=pattern):
-        run(*mutate(good("cpu")), "cpu")
+        run(*args, backend)
+    assert_usable(device)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -87,6 +113,24 @@ def test_bad_grad_output(device, backend):
     with pytest.raises(RuntimeError, match=r"grad_output must have the value's dtype"):
         bwd(torch.zeros(2, 5, 32, device=device, dtype=torch.float64), value, shapes, start,
             loc, attn)
+    with pytest.raises(RuntimeError, match=r"grad_output must have shape \(N, Lq, M \* D\)"):
+        bwd(torch.zeros(2, 5, 32, 1, device=device), value, shapes, start, loc, attn, True)
+    assert_usable(device)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_inputs_on_two_gpus():
+    args = good("cuda:0")
+    for i, name in [(0, "value"), (3, "sampling_locations"), (4, "attention_weights")]:
+        bad = replace(args, i, args[i].to("cuda:1"))
+        with pytest.raises(RuntimeError, match=r"must be on the same device as value"):
+            msda.ms_deform_attn(*bad)
+    value, shapes, start, loc, attn = args
+    out = msda.ms_deform_attn(value, shapes, start, loc, attn)
+    bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
+    with pytest.raises(RuntimeError, match=r"grad_output must be on the same device as value"):
+        bwd(torch.zeros_like(out, device="cuda:1"), value, shapes, start, loc, attn)
+    assert_usable("cuda")
 
 
 def test_unknown_backend():

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import DTYPES, TOL, device_backends, make_inputs, reference64, rel_err, run
+from helpers import (DTYPES, TOL, device_backends, make_inputs, reference64, reference_gather,
+                     rel_err, run)
 
 # (N, Lq, M, D, level shapes, P): covers L 1..5 with non-square levels, P 1..8,
 # D in {8, 16, 30, 32, 64, 128}, M in {1, 8}, N in {1, 3}.
@@ -105,3 +106,13 @@ def test_available_backends():
         assert msda.available_backends("cuda") == []
     else:
         assert "baseline" in msda.available_backends("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_gather_reference_matches_grid_sample_reference(dtype):
+    """The second reference (corner gathers, used for huge tensors) agrees
+    with the grid_sample one."""
+    value, shapes, start, loc, attn = make_inputs(2, 9, 3, 5, [(4, 6), (3, 2)], 3, dtype,
+                                                  outside=0.3)
+    ref = reference64(value, shapes, start, loc, attn)
+    assert rel_err(reference_gather(value, shapes, start, loc, attn), ref) < 1e-12

@@ -7,6 +7,7 @@ import torch
 
 import ms_deform_attn as msda
 from helpers import TOL, cuda_backends, device_backends, make_inputs, reference64, rel_err, run
+from ms_deform_attn.reference import ms_deform_attn_pytorch
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -51,14 +52,16 @@ def test_torch_compile_fullgraph(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", cuda_backends())
-def test_cuda_graph_capture_forward_backward(device, backend):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "det"])
+def test_cuda_graph_capture_forward_backward(device, backend, deterministic):
     value, shapes, start, loc, attn = make_inputs(2, 33, 8, 32, [(9, 8), (5, 4)], 4,
                                                   torch.bfloat16, torch.float32, device=device,
                                                   requires_grad=True)
     grad = torch.randn(2, 33, 256, device=device, dtype=torch.bfloat16)
 
     def step():
-        out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
+        out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                                  deterministic=deterministic)
         return (out,) + torch.autograd.grad(out, (value, loc, attn), grad)
 
     stream = torch.cuda.Stream()
@@ -78,19 +81,35 @@ def test_cuda_graph_capture_forward_backward(device, backend):
     torch.cuda.synchronize()
     eager = step()
     for a, b in zip(static, eager):
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+        if deterministic:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
     assert rel_err(static[0], reference64(value, shapes, start, loc, attn)) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("device,backend", cuda_backends())
 def test_runs_on_second_device(device, backend):
+    """Current device cuda:0, tensors on cuda:1: the kernels run on cuda:1, on
+    its current stream (here a side stream), forward and backward."""
     torch.cuda.set_device(0)
-    inputs = make_inputs(2, 20, 8, 32, [(8, 9), (4, 5)], 4, torch.float32, device="cuda:1")
-    out = msda.ms_deform_attn(*inputs, backend=backend)
+    inputs = make_inputs(2, 20, 8, 32, [(8, 9), (4, 5)], 4, torch.float32, device="cuda:1",
+                         requires_grad=True)
+    side = torch.cuda.Stream(device="cuda:1")
+    side.wait_stream(torch.cuda.current_stream("cuda:1"))
+    with torch.cuda.stream(side):
+        out = msda.ms_deform_attn(*inputs, backend=backend)
+        grads = torch.autograd.grad(out, (inputs[0], inputs[3], inputs[4]), torch.ones_like(out))
+    side.synchronize()
+    assert torch.cuda.current_device() == 0
     assert out.device == torch.device("cuda:1")
-    torch.cuda.synchronize(1)
     assert rel_err(out, reference64(*inputs)) <= TOL[torch.float32]
+    ref_in = [t.detach().double().requires_grad_() for t in (inputs[0], inputs[3], inputs[4])]
+    ref = ms_deform_attn_pytorch(ref_in[0], inputs[1], inputs[2], ref_in[1], ref_in[2])
+    ref_grads = torch.autograd.grad(ref, ref_in, torch.ones_like(ref))
+    for g, r in zip(grads, ref_grads):
+        assert g.device == torch.device("cuda:1") and rel_err(g, r) <= 1e-5
 
 
 @pytest.mark.parametrize("device,backend", device_backends())

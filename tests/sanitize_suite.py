@@ -1,0 +1,62 @@
+"""Small cases for compute-sanitizer (scripts/gpu_check.sh, stage
+`sanitize`): every CUDA backend, forward and backward (fast and
+deterministic), every dtype, locations inside, outside, on pixel centres and
+level borders, NaN and infinite; D that takes the vector and the scalar
+paths; the persistent backend with no shared-memory cache. Prints the cases
+run; any sanitizer report fails the stage (--error-exitcode).
+
+    compute-sanitizer --tool memcheck python tests/sanitize_suite.py
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+
+import ms_deform_attn as msda  # noqa: E402
+from helpers import make_inputs  # noqa: E402
+
+SPECIAL = [0.0, 1.0, 0.5, 1 / 16, -1 / 16, 1 + 1 / 16, -3.0, 4.0, float("nan"), float("inf"),
+           -float("inf")]
+
+
+def cases():
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for loc_dtype in {dtype, torch.float32}:
+            for d in (32, 6):  # vector path, scalar path
+                yield dtype, loc_dtype, d
+
+
+def main() -> int:
+    count = 0
+    budgets = [None, "0"]  # default cache, and none (global reads only)
+    for budget in budgets:
+        if budget is None:
+            os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
+        else:
+            os.environ["MS_DEFORM_ATTN_SMEM_BUDGET"] = budget
+        for backend in msda.available_backends("cuda"):
+            for dtype, loc_dtype, d in cases():
+                value, shapes, start, loc, attn = make_inputs(
+                    2, 13, 3, d, [(5, 7), (3, 2), (1, 1)], 3, dtype, loc_dtype, device="cuda",
+                    outside=0.3, seed=count)
+                with torch.no_grad():  # special locations on a third of the samples
+                    special = torch.tensor(SPECIAL, dtype=torch.float64)
+                    pick = torch.randint(0, len(SPECIAL), loc.shape)
+                    mask = torch.rand(loc.shape) < 0.33
+                    loc.copy_(torch.where(mask, special[pick], loc.double().cpu()).to(loc))
+                for t in (value, loc, attn):
+                    t.requires_grad_()
+                for det in (False, True):
+                    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                                              deterministic=det)
+                    torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
+                    count += 1
+    torch.cuda.synchronize()
+    print(f"sanitize suite: {count} forward+backward cases, backends "
+          f"{msda.available_backends('cuda')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Property-based test: hypothesis draws shapes, dtypes, backends and
+location distributions; the operator (forward, and backward both ways) must
+match the float64 reference. Budget: MSDA_FUZZ_EXAMPLES examples (25 by
+default; the GPU check script runs more)."""
+import os
+
+import pytest
+import torch
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import ms_deform_attn as msda  # noqa: E402
+from helpers import TOL, away_from_pixel_borders, reference64, rel_err  # noqa: E402
+from ms_deform_attn.reference import ms_deform_attn_pytorch  # noqa: E402
+from ms_deform_attn.workloads import level_tensors  # noqa: E402
+
+EXAMPLES = int(os.environ.get("MSDA_FUZZ_EXAMPLES", "25"))
+GRAD_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64}
+
+
+def targets():
+    out = [("cpu", "cpu")]
+    if torch.cuda.is_available():
+        out += [("cuda", b) for b in msda.available_backends("cuda")]
+    return out
+
+
+@st.composite
+def problems(draw):
+    device, backend = draw(st.sampled_from(targets()))
+    levels = draw(st.lists(st.tuples(st.integers(1, 9), st.integers(1, 9)), min_size=1,
+                           max_size=4))
+    dtype = DTYPES[draw(st.sampled_from(sorted(DTYPES)))]
+    return dict(
+        device=device, backend=backend, levels=levels, dtype=dtype,
+        loc_fp32=draw(st.booleans()) and dtype != torch.float64,
+        n=draw(st.integers(1, 3)), lq=draw(st.integers(1, 40)), m=draw(st.integers(1, 4)),
+        d=draw(st.sampled_from([1, 2, 3, 8, 16, 30, 32, 33, 64])),
+        p=draw(st.integers(1, 5)),
+        where=draw(st.sampled_from(["inside", "wide", "clustered", "borders", "non_finite"])),
+        deterministic=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def locations(where, shape, levels, g):
+    if where == "inside":
+        loc = torch.rand(shape, generator=g, dtype=torch.float64)
+    elif where == "wide":  # many samples outside the map, some far outside
+        loc = torch.rand(shape, generator=g, dtype=torch.float64) * 3 - 1
+    elif where == "clustered":  # heavy contention on a few pixels
+        loc = 0.5 + 0.02 * torch.randn(shape, generator=g, dtype=torch.float64)
+    elif where == "borders":  # exactly on pixel centres and map edges
+        ticks = torch.tensor([0.0, 0.25, 0.5, 1.0, -0.5, 1.5, 0.125], dtype=torch.float64)
+        loc = ticks[torch.randint(0, len(ticks), shape, generator=g)]
+    else:  # NaN and infinities among normal locations
+        loc = torch.rand(shape, generator=g, dtype=torch.float64)
+        bad = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30], dtype=torch.float64)
+        pick = torch.rand(shape, generator=g) < 0.2
+        loc = torch.where(pick, bad[torch.randint(0, 4, shape, generator=g)], loc)
+    if where != "borders":
+        loc = away_from_pixel_borders(loc, levels)
+    return loc
+
+
+@settings(max_examples=EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(problems())
+def test_fuzz_against_reference(pb):
+    g = torch.Generator().manual_seed(pb["seed"])
+    dev, dtype, levels = pb["device"], pb["dtype"], pb["levels"]
+    loc_dtype = torch.float32 if pb["loc_fp32"] else dtype
+    n, lq, m, d, p, nl = pb["n"], pb["lq"], pb["m"], pb["d"], pb["p"], len(pb["levels"])
+    s = sum(h * w for h, w in levels)
+    shapes, start = level_tensors(levels, dev)
+    value = torch.randn(n, s, m, d, generator=g, dtype=torch.float64).to(dev, dtype)
+    loc = locations(pb["where"], (n, lq, m, nl, p, 2), levels, g).to(dev, loc_dtype)
+    attn = torch.rand(n, lq, m, nl, p, generator=g, dtype=torch.float64)
+    attn = (attn / attn.sum((-1, -2), keepdim=True)).to(dev, loc_dtype)
+    for t in (value, loc, attn):
+        t.requires_grad_()
+
+    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=pb["backend"],
+                              deterministic=pb["deterministic"])
+    assert out.shape == (n, lq, m * d) and out.dtype == dtype
+    ref = reference64(value, shapes, start, loc, attn)
+    assert rel_err(out, ref) <= TOL[dtype]
+
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dev, dtype)
+    grads = torch.autograd.grad(out, (value, loc, attn), grad)
+    # Reference gradients on the same rounded inputs; non-finite locations
+    # sample nothing there and get zero gradient, as in the operator.
+    finite = torch.isfinite(loc.detach())
+    ref_in = [value.detach().double().requires_grad_(),
+              torch.where(finite, loc.detach().double(), -10.0).requires_grad_(),
+              attn.detach().double().requires_grad_()]
+    ref_out = ms_deform_attn_pytorch(ref_in[0], shapes, start, ref_in[1], ref_in[2])
+    ref_grads = torch.autograd.grad(ref_out, ref_in, grad.double())
+    names = ["value", "locations", "weights"]
+    for name, got, want, src in zip(names, grads, ref_grads, (value, loc, attn)):
+        assert got.dtype == src.dtype and got.shape == src.shape, name
+        if name == "locations" and pb["where"] == "borders":
+            continue  # one-sided derivative at borders: fp32 and fp64 may pick different sides
+        assert rel_err(got, want) <= GRAD_TOL[src.dtype], name
