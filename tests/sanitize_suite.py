@@ -10,7 +10,8 @@ run; any sanitizer report fails the stage (--error-exitcode).
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402

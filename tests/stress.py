@@ -16,7 +16,8 @@ import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
@@ -26,7 +27,8 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
 def _graph(device):
-    """A captured forward + backward on fixed inputs, and its first results."""
+    """A captured forward + backward on fixed inputs, and its first results.
+    The inputs stay referenced by `step` (the graph reads their memory)."""
     inputs = make_inputs(2, 64, 8, 32, [(16, 12), (8, 6), (4, 3)], 4, torch.bfloat16,
                          torch.float32, device=device, seed=7, requires_grad=True)
     value, shapes, start, loc, attn = inputs
@@ -47,6 +49,7 @@ def _graph(device):
     graph.replay()
     torch.cuda.synchronize()
     first = [t.clone() for t in static]
+    graph.keep_alive = (inputs, grad)
     return graph, static, first
 
 
