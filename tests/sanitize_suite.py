@@ -39,15 +39,15 @@ def main() -> int:
         for backend in msda.available_backends("cuda"):
             for dtype, loc_dtype, d in cases():
                 value, shapes, start, loc, attn = make_inputs(
-                    2, 13, 3, d, [(5, 7), (3, 2), (1, 1)], 3, dtype, loc_dtype, device="cuda",
-                    outside=0.3, seed=count)
-                with torch.no_grad():  # special locations on a third of the samples
-                    special = torch.tensor(SPECIAL, dtype=torch.float64)
-                    pick = torch.randint(0, len(SPECIAL), loc.shape)
-                    mask = torch.rand(loc.shape) < 0.33
-                    loc.copy_(torch.where(mask, special[pick], loc.double().cpu()).to(loc))
-                for t in (value, loc, attn):
-                    t.requires_grad_()
+                    2, 13, 3, d, [(5, 7), (3, 2), (1, 1)], 3, dtype, loc_dtype, outside=0.3,
+                    seed=count)
+                # Special locations on a third of the samples (made on the host).
+                special = torch.tensor(SPECIAL, dtype=torch.float64)
+                pick = torch.randint(0, len(SPECIAL), loc.shape)
+                mask = torch.rand(loc.shape) < 0.33
+                loc = torch.where(mask, special[pick], loc.double()).to(loc_dtype)
+                shapes, start = shapes.cuda(), start.cuda()
+                value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
                 for det in (False, True):
                     out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
                                               deterministic=det)

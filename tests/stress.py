@@ -11,6 +11,7 @@ tests/test_stress.py runs a short loop; scripts/gpu_check.sh a long one.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import sys
@@ -88,6 +89,7 @@ def stress(iterations: int, device: str = "cuda", seed: int = 0, check_every: in
             graph.replay()
             replays += 1
         if cuda and i % 100 == 99:
+            gc.collect()  # Python reference cycles are not leaks of ours
             torch.cuda.synchronize()
             for a, b in zip(static, first):
                 assert torch.equal(a, b), f"iteration {i}: graph replay changed its result"
@@ -95,6 +97,7 @@ def stress(iterations: int, device: str = "cuda", seed: int = 0, check_every: in
             peak = max(peak, torch.cuda.max_memory_allocated())
             assert mem == base, f"iteration {i}: {mem - base} bytes still allocated"
     if cuda:
+        gc.collect()
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == base
     stats = dict(iterations=iterations, graph_replays=replays, reference_checks=checked,

@@ -216,10 +216,8 @@ cudaError_t deterministic_value_grad(const BackwardParams& p, const Deterministi
                                                         b.items, b.cells, start);
   }
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
-  // A lane owns 32 bytes of the accumulator (8 channels; 4 for fp64): few
-  // lanes per pixel, so the entry loads they all repeat are few.
   const GatherParams g{p.pb, b.vec, p, &b};
-  return launch_for_dtypes<GatherLaunch, /*kVecOfAcc=*/true, /*kVecBytes=*/32>(g, stream);
+  return launch_for_dtypes<GatherLaunch>(g, stream);
 }
 
 }  // namespace msda::cuda

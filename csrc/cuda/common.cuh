@@ -89,23 +89,12 @@ __device__ __forceinline__ void copy_vec(T* dst, const T* __restrict__ src) {
 
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* p, const acc_t<T> (&in)[N]) {
-  if constexpr (sizeof(T) * N > 16) {  // as several 16-byte stores
-    constexpr int C = 16 / sizeof(T);
+  using R = typename RawVec<sizeof(T) * N>::type;
+  R raw;
+  T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < N; i += C) {
-      acc_t<T> part[C];
-#pragma unroll
-      for (int e = 0; e < C; ++e) part[e] = in[i + e];
-      store_vec<T, C>(p + i, part);
-    }
-  } else {
-    using R = typename RawVec<sizeof(T) * N>::type;
-    R raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = from_acc<T>(in[i]);
-    *reinterpret_cast<R*>(p) = raw;
-  }
+  for (int i = 0; i < N; ++i) e[i] = from_acc<T>(in[i]);
+  *reinterpret_cast<R*>(p) = raw;
 }
 
 // Atomically adds VEC consecutive accumulators at p (aligned to VEC elements).

@@ -37,7 +37,7 @@ struct DeterministicBuffers {
   void* rows = nullptr;         // items, like ids (may alias keys: free after the sort)
   void* weights = nullptr;      // 4 * items in the accumulation type
   void* grad_value = nullptr;   // (N, S, M, D) in the value's dtype, written completely
-  int vec = 1;              // channels per lane of the gather (32 / sizeof(accumulator) or 1)
+  int vec = 1;              // elements per vector access of the gather (16 / sizeof(T) or 1)
 };
 size_t deterministic_temp_bytes(const DeterministicBuffers& b);
 cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,
