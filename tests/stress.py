@@ -63,6 +63,9 @@ def stress(iterations: int, device: str = "cuda", seed: int = 0, check_every: in
     if cuda:
         graph, static, first = _graph(device)
         torch.cuda.synchronize()
+    gc.collect()  # what earlier code left to the cycle collector is not ours
+    if cuda:
+        torch.cuda.synchronize()
     base = torch.cuda.memory_allocated() if cuda else 0
     peak = base
     replays = checked = 0
