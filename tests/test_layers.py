@@ -276,25 +276,75 @@ def tiny_rt_detr(device):
     return transformers.RTDetrModel(cfg).to(device).eval()
 
 
-# (model factory, image height and width, MSDA sites transformers puts in it)
+def tiny_grounding_dino(device):
+    transformers = pytest.importorskip("transformers")
+    bb = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
+                                   depths=[1, 1, 1, 1], out_features=["stage2", "stage3", "stage4"])
+    text = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1,
+                                   num_attention_heads=4, intermediate_size=32,
+                                   max_position_embeddings=64)
+    cfg = transformers.GroundingDinoConfig(
+        backbone_config=bb, text_config=text, use_timm_backbone=False, backbone=None,
+        use_pretrained_backbone=False, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_ffn_dim=32, decoder_ffn_dim=32, encoder_attention_heads=4,
+        decoder_attention_heads=4, num_queries=10, max_text_len=16)
+    torch.manual_seed(0)
+    return transformers.GroundingDinoModel(cfg).to(device).eval()
+
+
+def tiny_mask2former(device):
+    transformers = pytest.importorskip("transformers")
+    swin = transformers.SwinConfig(image_size=64, patch_size=4, embed_dim=16, depths=[1, 1, 1, 1],
+                                   num_heads=[1, 1, 2, 2], window_size=4,
+                                   out_features=["stage1", "stage2", "stage3", "stage4"])
+    cfg = transformers.Mask2FormerConfig(
+        backbone_config=swin, feature_size=32, mask_feature_size=32, hidden_dim=32,
+        encoder_feedforward_dim=32, dim_feedforward=32, encoder_layers=1, decoder_layers=2,
+        num_attention_heads=4, num_queries=10, use_pretrained_backbone=False)
+    torch.manual_seed(0)
+    return transformers.Mask2FormerModel(cfg).to(device).eval()
+
+
+def text_ids(device):
+    return {"input_ids": torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)}
+
+
+# name: (model factory, image height and width, extra inputs, output compared,
+# MSDA sites transformers puts in it)
 HF_MODELS = {
-    "deformable_detr": (tiny_deformable_detr, (160, 192), 2),  # one encoder, one decoder layer
-    "rt_detr": (tiny_rt_detr, (128, 128), 1),                   # the decoder's cross-attention
+    # one encoder and one decoder layer
+    "deformable_detr": (tiny_deformable_detr, (160, 192), None, "last_hidden_state", 2),
+    # the decoder's cross-attention
+    "rt_detr": (tiny_rt_detr, (128, 128), None, "last_hidden_state", 1),
+    # one encoder and one decoder layer
+    "grounding_dino": (tiny_grounding_dino, (96, 96), text_ids, "last_hidden_state", 2),
+    # the pixel decoder's module-level function (one site for the family)
+    "mask2former": (tiny_mask2former, (64, 64), None, "pixel_decoder_last_hidden_state", 1),
 }
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("name", list(HF_MODELS))
-def test_transformers_model_swap(device, backend, name):
+def test_transformers_model_swap(device, backend, name, monkeypatch):
     from ms_deform_attn.hf import MultiScaleDeformableAttention, swap_msda
 
-    factory, (h, w), sites = HF_MODELS[name]
+    factory, (h, w), extra, output, sites = HF_MODELS[name]
     model = factory(device)
-    pixels = torch.randn(2, 3, h, w, device=device)
+    if name == "mask2former":  # swap_msda patches the family's module: undo it afterwards
+        from transformers.models.mask2former import modeling_mask2former as m2f
+        monkeypatch.setattr(m2f, "multi_scale_deformable_attention",
+                            m2f.multi_scale_deformable_attention)
+    inputs = {"pixel_values": torch.randn(2, 3, h, w, device=device)}
+    inputs.update(extra(device) if extra else {})
     with torch.no_grad():
-        expected = model(pixel_values=pixels).last_hidden_state
+        expected = getattr(model(**inputs), output)
     assert swap_msda(model, backend=backend) == sites
-    assert sum(isinstance(m, MultiScaleDeformableAttention) for m in model.modules()) == sites
+    layers = sum(isinstance(m, MultiScaleDeformableAttention) for m in model.modules())
+    if name == "mask2former":
+        from ms_deform_attn.hf import multi_scale_deformable_attention
+        assert layers == 0 and m2f.multi_scale_deformable_attention is multi_scale_deformable_attention
+    else:
+        assert layers == sites
     with torch.no_grad():
-        out = model(pixel_values=pixels).last_hidden_state
+        out = getattr(model(**inputs), output)
     assert rel_err(out, expected.double()) <= 1e-5
