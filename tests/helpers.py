@@ -1,7 +1,6 @@
 """Shared helpers for the tests: random problems, error metric, device/backend grid."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
@@ -66,13 +65,26 @@ def away_from_pixel_borders(loc, shapes, margin=1e-4):
     return torch.where(near, loc + 4 * margin / wh, loc)
 
 
-def reference64(value, shapes, start, loc, attn):
-    """Float64 reference on the same (rounded) inputs; non-finite locations
-    replaced by a far-outside point, which samples nothing."""
+def _finite64(loc):
+    """Float64 locations with non-finite ones replaced by a far-outside point,
+    which samples nothing (and gets zero gradient), as in the operator."""
     loc64 = loc.detach().double()
-    loc64 = torch.where(torch.isfinite(loc64), loc64, torch.full_like(loc64, -10.0))
-    return ms_deform_attn_pytorch(value.detach().double(), shapes, start, loc64,
+    return torch.where(torch.isfinite(loc64), loc64, torch.full_like(loc64, -10.0))
+
+
+def reference64(value, shapes, start, loc, attn):
+    """Float64 reference on the same (rounded) inputs."""
+    return ms_deform_attn_pytorch(value.detach().double(), shapes, start, _finite64(loc),
                                   attn.detach().double())
+
+
+def reference64_grads(value, shapes, start, loc, attn, grad):
+    """Float64 reference gradients of (value, loc, attn) for grad_output
+    `grad`, on the same (rounded) inputs."""
+    ref_in = [value.detach().double().requires_grad_(), _finite64(loc).requires_grad_(),
+              attn.detach().double().requires_grad_()]
+    out = ms_deform_attn_pytorch(ref_in[0], shapes, start, ref_in[1], ref_in[2])
+    return torch.autograd.grad(out, ref_in, grad.double())
 
 
 def rel_err(out, ref):

@@ -22,9 +22,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
-from helpers import TOL, make_inputs, reference64, rel_err  # noqa: E402
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+from helpers import DTYPES, TOL, make_inputs, reference64, rel_err  # noqa: E402
 
 
 def _graph(device):
