@@ -131,6 +131,9 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   TORCH_CHECK(pb.P >= 1, kOp, "sampling_locations.size(4) (points P) must be >= 1, got ", pb.P);
   TORCH_CHECK(pb.M * pb.D <= INT32_MAX, kOp, "value.size(2) * value.size(3) (M * D) must be < 2^31, got ",
               pb.M * pb.D);
+  TORCH_CHECK(pb.M * pb.D * value.element_size() <= UINT32_MAX, kOp,
+              "one pixel of value (M * D * element size) must be < 4 GiB, got ",
+              pb.M * pb.D * value.element_size(), " bytes");
   check_size(level_start_index, "level_start_index", 0, "levels L", pb.L, "spatial_shapes.size(0)");
   check_size(sampling_locations, "sampling_locations", 0, "batch N", pb.N, "value.size(0)");
   check_size(sampling_locations, "sampling_locations", 2, "heads M", pb.M, "value.size(2)");

@@ -17,6 +17,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
+  __shared__ Corners<A> slots[kThreads];
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
 
@@ -26,18 +27,18 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int lane = static_cast<int>(tid % lanes);
   const int64_t m = group % pb.M, n = group / (pb.Lq * pb.M);
   const int64_t row_stride = pb.M * pb.D;  // elements between neighbouring pixels
-  const int stride = static_cast<int>(row_stride);  // M * D < 2^31 (checked by the binding)
+  const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
   const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
   const int64_t LP = int64_t(pb.L) * pb.P;
   const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
   const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
   T* out = static_cast<T*>(p.out) + group * pb.D;
 
-  forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes,
+  forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes, slots,
                           [&](int l, int64_t c, auto&& body) {
                             const T* vl = vbase + levels[l].start * row_stride + c;
                             body([&](int pix, A(&v)[VEC]) {
-                              load_vec<T, VEC>(vl + pixel_offset(pix, stride), v);
+                              load_vec<T, VEC>(pixel_ptr(vl, pix, stride_bytes), v);
                             });
                           });
 }

@@ -142,6 +142,16 @@ __device__ __forceinline__ uint64_t pixel_offset(int pix, int stride) {
   return static_cast<uint64_t>(static_cast<unsigned>(pix)) * static_cast<unsigned>(stride);
 }
 
+// Address of pixel `pix` of a level whose pixel 0 is at `base`, at
+// `stride_bytes` bytes a pixel (< 4 GiB, checked by the binding): one
+// IMAD.WIDE.U32 (pix * stride + base) where element offsets cost four.
+template <typename T>
+__device__ __forceinline__ const T* pixel_ptr(const T* base, int pix, unsigned stride_bytes) {
+  const uint64_t addr = reinterpret_cast<uint64_t>(base) +
+                        static_cast<uint64_t>(static_cast<unsigned>(pix)) * stride_bytes;
+  return reinterpret_cast<const T*>(addr);
+}
+
 // ---- level metadata --------------------------------------------------------
 struct Level {
   int H, W;

@@ -9,10 +9,11 @@ namespace msda::cuda {
 
 // One sample resolved for the gather: the row-major pixel indices of its four
 // corners (clamped into the map, so always loadable) and their weights
-// (bilinear weight x attention weight; 0 for a corner outside the map and for
-// a sample whose footprint misses it or whose location is not finite).
+// (bilinear weight x attention weight; 0 for a corner outside the map).
+// pix[0] < 0 marks a sample that reads nothing (its footprint misses the map,
+// or its location is not finite).
 template <typename A>
-struct Corners {
+struct __align__(16) Corners {
   int pix[4];
   A w[4];
 };
@@ -30,7 +31,8 @@ __device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W
   c.pix[2] = bottom * W + left;
   c.pix[3] = bottom * W + right;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) c.w[k] = b.inside && b.corner_ok(k, H, W) ? w * b.weight(k) : A(0);
+  for (int k = 0; k < 4; ++k) c.w[k] = b.corner_ok(k, H, W) ? w * b.weight(k) : A(0);
+  if (!b.inside) c.pix[0] = -1;
   return c;
 }
 
@@ -59,36 +61,26 @@ __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i,
   w = A(to_acc(attn[i]));
 }
 
-// Corners resolved by lane `src` of the group (shuffle over `lanes` lanes).
-template <typename A>
-__device__ __forceinline__ Corners<A> shfl_corners(unsigned mask, const Corners<A>& c, int src,
-                                                   int lanes) {
-  Corners<A> r;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    r.pix[k] = __shfl_sync(mask, c.pix[k], src, lanes);
-    r.w[k] = __shfl_sync(mask, c.w[k], src, lanes);
-  }
-  return r;
-}
-
 // One (query, head) row of the output: the sum over levels and points, over
 // this lane's channel slices. The `lanes` threads of a group (aligned inside
 // a warp; all of them call this) split the per-sample set-up (location and
 // weight loads, bilinear weights, corner indices): lane j resolves point
-// p0 + j of the level, and the group then gathers those points one after the
-// other with the corners shuffled from their lane. So the set-up runs once a
-// sample instead of once per lane. with_fetch(l, c, body) calls body(fetch)
-// with the fetch for level l at channel offset c (global memory, shared
-// memory...), which is where the backends differ.
+// p0 + j of a level into its slot of `slots` (one Corners per thread of the
+// block, in shared memory), and the group then gathers those points one after
+// the other, reading each point's corners from its slot (a broadcast). So the
+// set-up runs once a sample instead of once per lane, and the gather loop has
+// no shuffles (whose convergence checks cost more than they save).
+// with_fetch(l, c, body) calls body(fetch) with the fetch for level l at
+// channel offset c (global memory, shared memory...), which is where the
+// backends differ.
 template <typename T, typename LT, int VEC, typename WithFetch>
 __device__ __forceinline__ void forward_row(const Problem& pb, const Level* levels, const LT* loc,
                                             const LT* attn, T* out, int lane, int lanes,
-                                            WithFetch&& with_fetch) {
+                                            Corners<acc_t<T>>* slots, WithFetch&& with_fetch) {
   using A = acc_t<T>;
-  const int lane_in_warp = threadIdx.x & 31;
-  const unsigned mask =
-      (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (lane_in_warp & ~(lanes - 1));
+  const unsigned first = threadIdx.x - lane;  // the group's first thread
+  const unsigned mask = (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (first & 31u);
+  Corners<A>* group_slots = slots + first;
   const int64_t step = int64_t(lanes) * VEC;
   for (int64_t c0 = 0; c0 < pb.D; c0 += step) {
     const int64_t c = c0 + int64_t(lane) * VEC;
@@ -101,17 +93,20 @@ __device__ __forceinline__ void forward_row(const Problem& pb, const Level* leve
       if (lv.H == 0) continue;  // level rejected by load_levels
       with_fetch(l, active ? c : 0, [&](auto&& fetch) {
         for (int p0 = 0; p0 < pb.P; p0 += lanes) {
-          Corners<A> mine{};
           if (p0 + lane < pb.P) {
             A x, y, w;
             load_point(loc, attn, l * pb.P + p0 + lane, x, y, w);
-            mine = resolve_sample(x, y, w, lv.H, lv.W);
+            slots[threadIdx.x] = resolve_sample(x, y, w, lv.H, lv.W);
           }
+          __syncwarp(mask);
           const int count = min(lanes, pb.P - p0);
-          for (int i = 0; i < count; ++i) {
-            const Corners<A> s = shfl_corners(mask, mine, i, lanes);
-            if (active) gather_corners(acc, s, fetch);
+          if (active) {
+            for (int i = 0; i < count; ++i) {
+              const Corners<A> s = group_slots[i];
+              if (s.pix[0] >= 0) gather_corners(acc, s, fetch);
+            }
           }
+          __syncwarp(mask);  // slots are rewritten by the next points
         }
       });
     }

@@ -69,6 +69,7 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cache_off[kMaxLevels];
   __shared__ int s_more;
+  __shared__ Corners<A> slots[kPThreads];
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
   if (threadIdx.x == 0) plan_cache(levels, pb.L, pb.D, sizeof(T), p.smem_budget, cache_off);
@@ -82,7 +83,7 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
   const int64_t NM = pb.N * pb.M;
   const int64_t tiles = (pb.Lq + kTileQueries - 1) / kTileQueries;
   const int64_t row_stride = pb.M * pb.D;
-  const int stride = static_cast<int>(row_stride);  // M * D < 2^31 (checked by the binding)
+  const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
   const int d32 = static_cast<int>(pb.D);
   const int64_t LP = int64_t(pb.L) * pb.P;
   const int vecs_per_px = static_cast<int>(pb.D / VEC);  // cache copy: D % VEC == 0
@@ -126,7 +127,7 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
         const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
         const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
         T* out = static_cast<T*>(p.out) + group * pb.D;
-        forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes,
+        forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes, slots,
                                 [&](int l, int64_t c, auto&& body) {
                                   if (cache_off[l] >= 0) {
                                     const T* cl = cache + cache_off[l] + c;
@@ -136,7 +137,7 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
                                   } else {
                                     const T* gl = vbase + levels[l].start * row_stride + c;
                                     body([&](int pix, A(&v)[VEC]) {
-                                      load_vec<T, VEC>(gl + pixel_offset(pix, stride), v);
+                                      load_vec<T, VEC>(pixel_ptr(gl, pix, stride_bytes), v);
                                     });
                                   }
                                 });
