@@ -1,27 +1,28 @@
 // `persistent` forward: a grid of exactly as many blocks as the GPU holds at
-// once (SMs x resident blocks per SM, read from the device), each block taking
-// work until none is left.
+// once (SMs x resident blocks per SM, read from the device: one block of 1024
+// threads per SM), each block taking work until none is left.
 //
-// Work items are (batch n, head m, tile of 32 consecutive queries). Every
-// (n, m) has its own atomic tile counter in a zeroed workspace (reset by the
-// binding with a memset on the stream: no host sync, CUDA-graph safe). A
-// block starts on (n, m) = blockIdx.x mod N*M, loads that pair's cache, and
-// then each of its warps steals tiles from the pair's counter on its own (no
-// block barrier between tiles); once the counter is exhausted the block meets
-// at one barrier and moves on to the next (n, m) with work left. So a block
-// keeps one (n, m) for many consecutive tiles and loads its cache once per
-// (n, m).
+// Work items are (batch n, head m, chunk of kChunkQueries consecutive
+// queries). Every (n, m) has its own atomic chunk counter in a zeroed
+// workspace (reset by the binding with a memset on the stream: no host sync,
+// CUDA-graph safe). A block starts on (n, m) = blockIdx.x mod N*M, loads that
+// pair's cache, and takes the pair's chunks one after the other until its
+// counter runs out; then it moves on to the next (n, m) with work left. So a
+// block keeps one (n, m) for many chunks and loads its cache once per (n, m),
+// and its 32 warps work on neighbouring queries at the same time (warp w takes
+// queries w * kWarpQueries... of the chunk): their samples of the levels read
+// from global memory fall close together and share the SM's L1.
 //
 // Cache: when a block starts on an (n, m) it copies into shared memory every
 // level of that (n, m) that fits in its budget, smallest levels first (the
 // plan is made on the device from the level table, which stays on the GPU).
+// The default budget is kDefaultCache bytes, not all the shared memory: the
+// rest of the SM's 256 KB stays L1 for the levels read from global memory.
 // A cached level is stored as [pixel][D] (one head's channels contiguous), so
 // the VEC channels a lane reads are contiguous and the `lanes` threads of a
-// query read one whole pixel row without bank conflicts; two queries read in
-// the same shared-memory wavefront conflict only when their rows share banks.
-// Samples on cached levels read shared memory, the others read global memory
-// with 16-byte vector loads. The budget is a launch parameter (tests shrink
-// it to cover the global fallback).
+// query read one whole pixel row. Samples on cached levels read shared
+// memory, the others global memory with 16-byte vector loads. The budget is a
+// launch parameter (tests shrink it to cover the global fallback).
 #include <algorithm>
 
 #include "forward_common.cuh"
@@ -30,11 +31,12 @@
 namespace msda::cuda {
 namespace {
 
-// 2 blocks of 384 threads per SM: 768 threads, the baseline's occupancy, with
-// up to 85 registers a thread (16-byte gathers of 16-bit values fit).
-constexpr int kPThreads = 384;
-constexpr int kPBlocksPerSm = 2;  // the shared-memory budget is split for it
-constexpr int kTileQueries = 32;  // a warp's unit of work
+// One block of 1024 threads per SM (32 warps, the baseline's occupancy; at
+// most 64 registers a thread).
+constexpr int kPThreads = 1024;
+constexpr int kWarpQueries = 16;                              // a warp's share of a chunk
+constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // 512
+constexpr int64_t kDefaultCache = 96 * 1024;  // bytes; the rest of the SM's memory is L1
 
 // Decides which levels to cache (smallest first, while they fit) and where.
 // One thread of the block calls it; off[l] = element offset of level l's pixel
@@ -60,28 +62,30 @@ __device__ void plan_cache(const Level* lv, int L, int64_t D, int64_t elem_bytes
 }
 
 template <typename T, typename LT, int VEC>
-__global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
+__global__ void __launch_bounds__(kPThreads, 1)
     persistent_forward_kernel(const ForwardParams p, const int lanes) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
+  // Dynamic shared memory: one Corners slot per thread, then the cache.
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* cache = reinterpret_cast<T*>(smem_raw);
+  Corners<A>* slots = reinterpret_cast<Corners<A>*>(smem_raw);
+  T* cache = reinterpret_cast<T*>(smem_raw + sizeof(Corners<A>) * kPThreads);
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cache_off[kMaxLevels];
-  __shared__ int s_more;
-  __shared__ Corners<A> slots[kPThreads];
+  __shared__ int s_chunk;
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
   if (threadIdx.x == 0) plan_cache(levels, pb.L, pb.D, sizeof(T), p.smem_budget, cache_off);
   __syncthreads();
 
   int* counters = static_cast<int*>(p.workspace);
+  const int warp = threadIdx.x / 32;
   const int lane_in_warp = threadIdx.x % 32;
-  const int lane = lane_in_warp % lanes;         // channel slice
-  const int warp_q = lane_in_warp / lanes;        // query within a warp round
+  const int lane = lane_in_warp % lanes;   // channel slice
+  const int warp_q = lane_in_warp / lanes;  // query within a warp round
   const int q_per_round = 32 / lanes;
   const int64_t NM = pb.N * pb.M;
-  const int64_t tiles = (pb.Lq + kTileQueries - 1) / kTileQueries;
+  const int64_t chunks = (pb.Lq + kChunkQueries - 1) / kChunkQueries;
   const int64_t row_stride = pb.M * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
   const int d32 = static_cast<int>(pb.D);
@@ -91,14 +95,13 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
   for (int64_t k = 0; k < NM; ++k) {
     const int64_t nm = (blockIdx.x + k) % NM;
     const int64_t n = nm / pb.M, m = nm % pb.M;
-    // Skip (batch, head) pairs other blocks have finished, without loading
-    // their cache. (A pair running out between this look and the first tile
-    // costs one wasted cache load, nothing else.)
-    if (threadIdx.x == 0) s_more = *reinterpret_cast<volatile int*>(counters + nm) < tiles;
+    // Take the first chunk before loading the cache, so that a pair other
+    // blocks have finished costs no cache load.
+    if (threadIdx.x == 0) s_chunk = atomicAdd(counters + nm, 1);
     __syncthreads();
-    const bool more = s_more;
-    if (!more) {
-      __syncthreads();  // s_more is rewritten next iteration
+    int64_t chunk = s_chunk;
+    if (chunk >= chunks) {
+      __syncthreads();  // s_chunk is rewritten next iteration
       continue;
     }
     const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
@@ -107,6 +110,7 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
       const T* src = vbase + levels[l].start * row_stride;
       T* dst = cache + cache_off[l];
       const int64_t units = int64_t(levels[l].H) * levels[l].W * vecs_per_px;
+#pragma unroll 4
       for (int64_t u = threadIdx.x; u < units; u += kPThreads) {
         const int64_t px = u / vecs_per_px, c = (u % vecs_per_px) * VEC;
         copy_vec<T, VEC>(dst + px * pb.D + c, src + px * row_stride + c);
@@ -114,15 +118,11 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
     }
     __syncthreads();
 
-    // Each warp steals kTileQueries-query tiles of this (n, m) on its own.
     while (true) {
-      int tile = 0;
-      if (lane_in_warp == 0) tile = atomicAdd(counters + nm, 1);
-      tile = __shfl_sync(0xffffffffu, tile, 0);
-      if (tile >= tiles) break;
-      for (int r = 0; r < kTileQueries; r += q_per_round) {
-        const int64_t q = int64_t(tile) * kTileQueries + r + warp_q;
-        if (q >= pb.Lq || warp_q >= q_per_round) continue;
+      const int64_t q0 = chunk * kChunkQueries + int64_t(warp) * kWarpQueries;
+      for (int r = 0; r < kWarpQueries; r += q_per_round) {
+        const int64_t q = q0 + r + warp_q;
+        if (q >= pb.Lq || r + warp_q >= kWarpQueries) continue;
         const int64_t group = (n * pb.Lq + q) * pb.M + m;
         const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
         const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
                                   if (cache_off[l] >= 0) {
                                     const T* cl = cache + cache_off[l] + c;
                                     body([&](int pix, A(&v)[VEC]) {
-                                      load_vec_shared<T, VEC>(cl + pixel_offset(pix, d32), v);
+                                      load_vec_shared<T, VEC>(cl + pix * d32, v);
                                     });
                                   } else {
                                     const T* gl = vbase + levels[l].start * row_stride + c;
@@ -142,16 +142,19 @@ __global__ void __launch_bounds__(kPThreads, kPBlocksPerSm)
                                   }
                                 });
       }
+      __syncthreads();  // every warp is done with s_chunk (and, at the end, the cache)
+      if (threadIdx.x == 0) s_chunk = atomicAdd(counters + nm, 1);
+      __syncthreads();
+      chunk = s_chunk;
+      if (chunk >= chunks) break;
     }
-    __syncthreads();  // every warp is done with this cache before it is reloaded
+    __syncthreads();  // s_chunk is rewritten next iteration
   }
 }
 
 struct DeviceLimits {
   int sms = 0;
-  int smem_per_sm = 0;
   int smem_optin = 0;
-  int smem_reserved = 0;
 };
 
 cudaError_t device_limits(DeviceLimits& d) {
@@ -159,11 +162,7 @@ cudaError_t device_limits(DeviceLimits& d) {
   cudaError_t err = cudaGetDevice(&dev);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
   if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&d.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-  if (err == cudaSuccess)
     err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&d.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
   return err;
 }
 
@@ -177,26 +176,27 @@ struct Launch {
     cudaFuncAttributes attr;
     err = cudaFuncGetAttributes(&attr, kernel);
     if (err != cudaSuccess) return err;
-    // Default budget: the SM's shared memory split between kPBlocksPerSm blocks.
-    const int64_t per_block = d.smem_per_sm / kPBlocksPerSm - d.smem_reserved -
-                              static_cast<int64_t>(attr.sharedSizeBytes);
-    const int64_t cap = static_cast<int64_t>(d.smem_optin) - static_cast<int64_t>(attr.sharedSizeBytes);
-    int64_t budget = p.smem_budget >= 0 ? p.smem_budget : per_block;
+    // Dynamic shared memory: the Corners slots, then the cache (default
+    // kDefaultCache bytes, capped by the opt-in limit).
+    const int64_t slots = int64_t(sizeof(Corners<acc_t<T>>)) * kPThreads;
+    const int64_t cap = static_cast<int64_t>(d.smem_optin) -
+                        static_cast<int64_t>(attr.sharedSizeBytes) - slots;
+    int64_t budget = p.smem_budget >= 0 ? p.smem_budget : kDefaultCache;
     budget = std::max<int64_t>(0, std::min(budget, cap)) / 16 * 16;
     p.smem_budget = budget;
+    const int64_t dynamic = slots + budget;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(budget));
+                               static_cast<int>(dynamic));
     if (err != cudaSuccess) return err;
     int per_sm = 0;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPThreads,
-                                                        static_cast<size_t>(budget));
+                                                        static_cast<size_t>(dynamic));
     if (err != cudaSuccess) return err;
     const int lanes = lanes_for(p.pb.D, VEC);
-    const int64_t tiles = (p.pb.Lq + kTileQueries - 1) / kTileQueries;
-    const int64_t warps = p.pb.N * p.pb.M * tiles;  // work for this many warps at most
-    const int64_t grid = std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms,
-                                           (warps + kPThreads / 32 - 1) / (kPThreads / 32));
-    kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(budget), stream>>>(p, lanes);
+    const int64_t chunks = (p.pb.Lq + kChunkQueries - 1) / kChunkQueries;
+    const int64_t grid =
+        std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms, p.pb.N * p.pb.M * chunks);
+    kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(dynamic), stream>>>(p, lanes);
     return cudaGetLastError();
   }
 };
