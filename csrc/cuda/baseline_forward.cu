@@ -17,7 +17,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
-  __shared__ Corners<A> slots[kThreads];
+  __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads];
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
 
@@ -34,7 +34,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
   T* out = static_cast<T*>(p.out) + group * pb.D;
 
-  forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes, slots,
+  forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes,
+                          CornerSlots<A>(slot_mem, kThreads),
                           [&](int l, int64_t c, auto&& body) {
                             const T* vl = vbase + levels[l].start * row_stride + c;
                             body([&](int pix, A(&v)[VEC]) {

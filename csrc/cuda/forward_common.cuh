@@ -13,9 +13,37 @@ namespace msda::cuda {
 // pix[0] < 0 marks a sample that reads nothing (its footprint misses the map,
 // or its location is not finite).
 template <typename A>
-struct __align__(16) Corners {
+struct Corners {
   int pix[4];
   A w[4];
+};
+
+// Shared-memory slots through which the lanes of a group hand each other
+// resolved samples: one slot per thread of the block, pixel indices and
+// weights in separate arrays. Slot j of group g of a warp sits at warp base
+// + j * (groups per warp) + g, so when every group of a warp reads its slot i
+// at once the reads are consecutive 16-byte words: no bank conflicts.
+template <typename A>
+struct __align__(4 * sizeof(A)) Weights4 {
+  A v[4];
+};
+template <typename A>
+struct CornerSlots {
+  int4* pix;
+  Weights4<A>* w;
+  static constexpr int64_t kBytesPerThread = sizeof(int4) + sizeof(Weights4<A>);
+  // Carves the slots of `threads` threads out of `mem` (16-byte aligned).
+  __device__ __forceinline__ CornerSlots(void* mem, int threads)
+      : pix(static_cast<int4*>(mem)), w(reinterpret_cast<Weights4<A>*>(pix + threads)) {}
+  __device__ __forceinline__ void put(int i, const Corners<A>& c) {
+    pix[i] = make_int4(c.pix[0], c.pix[1], c.pix[2], c.pix[3]);
+    w[i] = Weights4<A>{{c.w[0], c.w[1], c.w[2], c.w[3]}};
+  }
+  __device__ __forceinline__ Corners<A> get(int i) const {
+    const int4 p = pix[i];
+    const Weights4<A> q = w[i];
+    return Corners<A>{{p.x, p.y, p.z, p.w}, {q.v[0], q.v[1], q.v[2], q.v[3]}};
+  }
 };
 
 // Requires H, W >= 1: callers skip the empty levels load_levels() makes of
@@ -65,9 +93,9 @@ __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i,
 // this lane's channel slices. The `lanes` threads of a group (aligned inside
 // a warp; all of them call this) split the per-sample set-up (location and
 // weight loads, bilinear weights, corner indices): lane j resolves point
-// p0 + j of a level into its slot of `slots` (one Corners per thread of the
-// block, in shared memory), and the group then gathers those points one after
-// the other, reading each point's corners from its slot (a broadcast). So the
+// p0 + j of a level into its slot of `slots` (shared memory, see CornerSlots),
+// and the group then gathers those points one after the other, reading each
+// point's corners from its slot (a broadcast). So the
 // set-up runs once a sample instead of once per lane, and the gather loop has
 // no shuffles (whose convergence checks cost more than they save).
 // with_fetch(l, c, body) calls body(fetch) with the fetch for level l at
@@ -76,11 +104,12 @@ __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i,
 template <typename T, typename LT, int VEC, typename WithFetch>
 __device__ __forceinline__ void forward_row(const Problem& pb, const Level* levels, const LT* loc,
                                             const LT* attn, T* out, int lane, int lanes,
-                                            Corners<acc_t<T>>* slots, WithFetch&& with_fetch) {
+                                            CornerSlots<acc_t<T>> slots, WithFetch&& with_fetch) {
   using A = acc_t<T>;
   const unsigned first = threadIdx.x - lane;  // the group's first thread
   const unsigned mask = (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (first & 31u);
-  Corners<A>* group_slots = slots + first;
+  const int groups = 32 / lanes;
+  const int slot0 = static_cast<int>(threadIdx.x & ~31u) + static_cast<int>(first & 31u) / lanes;
   const int64_t step = int64_t(lanes) * VEC;
   for (int64_t c0 = 0; c0 < pb.D; c0 += step) {
     const int64_t c = c0 + int64_t(lane) * VEC;
@@ -96,13 +125,13 @@ __device__ __forceinline__ void forward_row(const Problem& pb, const Level* leve
           if (p0 + lane < pb.P) {
             A x, y, w;
             load_point(loc, attn, l * pb.P + p0 + lane, x, y, w);
-            slots[threadIdx.x] = resolve_sample(x, y, w, lv.H, lv.W);
+            slots.put(slot0 + lane * groups, resolve_sample(x, y, w, lv.H, lv.W));
           }
           __syncwarp(mask);
           const int count = min(lanes, pb.P - p0);
           if (active) {
             for (int i = 0; i < count; ++i) {
-              const Corners<A> s = group_slots[i];
+              const Corners<A> s = slots.get(slot0 + i * groups);
               if (s.pix[0] >= 0) gather_corners(acc, s, fetch);
             }
           }

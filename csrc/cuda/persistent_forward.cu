@@ -66,10 +66,10 @@ __global__ void __launch_bounds__(kPThreads, 1)
     persistent_forward_kernel(const ForwardParams p, const int lanes) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
-  // Dynamic shared memory: one Corners slot per thread, then the cache.
+  // Dynamic shared memory: the CornerSlots, then the cache.
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  Corners<A>* slots = reinterpret_cast<Corners<A>*>(smem_raw);
-  T* cache = reinterpret_cast<T*>(smem_raw + sizeof(Corners<A>) * kPThreads);
+  const CornerSlots<A> slots(smem_raw, kPThreads);
+  T* cache = reinterpret_cast<T*>(smem_raw + CornerSlots<A>::kBytesPerThread * kPThreads);
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cache_off[kMaxLevels];
   __shared__ int s_chunk;
@@ -176,9 +176,9 @@ struct Launch {
     cudaFuncAttributes attr;
     err = cudaFuncGetAttributes(&attr, kernel);
     if (err != cudaSuccess) return err;
-    // Dynamic shared memory: the Corners slots, then the cache (default
+    // Dynamic shared memory: the CornerSlots, then the cache (default
     // kDefaultCache bytes, capped by the opt-in limit).
-    const int64_t slots = int64_t(sizeof(Corners<acc_t<T>>)) * kPThreads;
+    const int64_t slots = CornerSlots<acc_t<T>>::kBytesPerThread * kPThreads;
     const int64_t cap = static_cast<int64_t>(d.smem_optin) -
                         static_cast<int64_t>(attr.sharedSizeBytes) - slots;
     int64_t budget = p.smem_budget >= 0 ? p.smem_budget : kDefaultCache;
