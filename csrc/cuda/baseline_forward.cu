@@ -1,8 +1,8 @@
-// `baseline` forward: one group of `lanes` threads per (query, head), straight
-// from the thread index; every sample's corners gathered from global memory
-// with 16-byte vector loads (forward_row in forward_common.cuh: set-up once a
-// sample, two columns of channel lanes). fp32 (fp64 for fp64) coordinate
-// math and accumulation.
+// `baseline` forward: one thread owns VEC channels of one (query, head); the
+// `lanes` threads of a (query, head) read each location and weight once per
+// (level, point) (one broadcast request per warp) and gather the four corners
+// with 16-byte vector loads. fp32 (fp64 for fp64) coordinate math and
+// accumulation.
 #include "forward_common.cuh"
 #include "launch.h"
 
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   T* out = static_cast<T*>(p.out) + group * pb.D;
 
   forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes,
-                          CornerSlots<A>(slot_mem),
+                          CornerSlots<A>(slot_mem, kThreads),
                           [&](int l, int64_t c, auto&& body) {
                             const T* vl = vbase + levels[l].start * row_stride + c;
                             body([&](int pix, A(&v)[VEC]) {
@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads, 4)
 template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
-    const int lanes = forward_lanes(p.pb.D, VEC);
+    const int lanes = lanes_for(p.pb.D, VEC);
     const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
     baseline_forward_kernel<T, LT, VEC><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
     return cudaGetLastError();

@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(kPThreads, 1)
   const Problem& pb = p.pb;
   // Dynamic shared memory: the CornerSlots, then the cache.
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const CornerSlots<A> slots(smem_raw);
+  const CornerSlots<A> slots(smem_raw, kPThreads);
   T* cache = reinterpret_cast<T*>(smem_raw + CornerSlots<A>::kBytesPerThread * kPThreads);
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cache_off[kMaxLevels];
@@ -192,7 +192,7 @@ struct Launch {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPThreads,
                                                         static_cast<size_t>(dynamic));
     if (err != cudaSuccess) return err;
-    const int lanes = forward_lanes(p.pb.D, VEC);
+    const int lanes = lanes_for(p.pb.D, VEC);
     const int64_t chunks = (p.pb.Lq + kChunkQueries - 1) / kChunkQueries;
     const int64_t grid =
         std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms, p.pb.N * p.pb.M * chunks);
