@@ -204,10 +204,8 @@ CudaHooks& cuda_hooks() {
 
 int pick_vec(int64_t D, int64_t elem_size, int want, std::initializer_list<const void*> ptrs) {
   if (D % want != 0) return 1;
-  // Vectors of more than 16 bytes move as 16-byte parts.
-  const int64_t align = std::min<int64_t>(want * elem_size, 16);
   for (const void* p : ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % align != 0) return 1;
+    if (reinterpret_cast<uintptr_t>(p) % (want * elem_size) != 0) return 1;
   }
   return want;
 }

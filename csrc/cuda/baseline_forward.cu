@@ -57,7 +57,7 @@ struct Launch {
 }  // namespace
 
 cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream) {
-  return launch_for_dtypes<Launch, false, 32>(p, stream);
+  return launch_for_dtypes<Launch>(p, stream);
 }
 
 }  // namespace msda::cuda

@@ -76,53 +76,25 @@ __device__ __forceinline__ void load_vec(const T* __restrict__ p, acc_t<T> (&out
 // Same from shared memory (no read-only-cache path there).
 template <typename T, int N>
 __device__ __forceinline__ void load_vec_shared(const T* p, acc_t<T> (&out)[N]) {
-  if constexpr (sizeof(T) * N > 16) {
-    constexpr int C = 16 / sizeof(T);
-#pragma unroll
-    for (int i = 0; i < N; i += C) {
-      acc_t<T> part[C];
-      load_vec_shared<T, C>(p + i, part);
-#pragma unroll
-      for (int e = 0; e < C; ++e) out[i + e] = part[e];
-    }
-  } else {
-    using R = typename RawVec<sizeof(T) * N>::type;
-    unpack<T, N>(*reinterpret_cast<const R*>(p), out);
-  }
+  using R = typename RawVec<sizeof(T) * N>::type;
+  unpack<T, N>(*reinterpret_cast<const R*>(p), out);
 }
 
 // Raw copy of N elements (no conversion), e.g. global -> shared.
 template <typename T, int N>
 __device__ __forceinline__ void copy_vec(T* dst, const T* __restrict__ src) {
-  if constexpr (sizeof(T) * N > 16) {
-    constexpr int C = 16 / sizeof(T);
-#pragma unroll
-    for (int i = 0; i < N; i += C) copy_vec<T, C>(dst + i, src + i);
-  } else {
-    using R = typename RawVec<sizeof(T) * N>::type;
-    *reinterpret_cast<R*>(dst) = __ldg(reinterpret_cast<const R*>(src));
-  }
+  using R = typename RawVec<sizeof(T) * N>::type;
+  *reinterpret_cast<R*>(dst) = __ldg(reinterpret_cast<const R*>(src));
 }
 
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* p, const acc_t<T> (&in)[N]) {
-  if constexpr (sizeof(T) * N > 16) {
-    constexpr int C = 16 / sizeof(T);
+  using R = typename RawVec<sizeof(T) * N>::type;
+  R raw;
+  T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < N; i += C) {
-      acc_t<T> part[C];
-#pragma unroll
-      for (int e = 0; e < C; ++e) part[e] = in[i + e];
-      store_vec<T, C>(p + i, part);
-    }
-  } else {
-    using R = typename RawVec<sizeof(T) * N>::type;
-    R raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = from_acc<T>(in[i]);
-    *reinterpret_cast<R*>(p) = raw;
-  }
+  for (int i = 0; i < N; ++i) e[i] = from_acc<T>(in[i]);
+  *reinterpret_cast<R*>(p) = raw;
 }
 
 // Atomically adds VEC consecutive accumulators at p (aligned to VEC elements).

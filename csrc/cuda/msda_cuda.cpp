@@ -122,7 +122,7 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   set_inputs(p, in);
   p.out = out.data_ptr();
   const int64_t elem = in.value.element_size();
-  p.vec = pick_vec(pb.D, elem, static_cast<int>(32 / elem), {p.value, p.out});
+  p.vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.value, p.out});
   at::Tensor workspace;
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (const int64_t bytes = impl.workspace(pb); bytes > 0) {

@@ -1,5 +1,5 @@
 // `persistent` forward: a grid of exactly as many blocks as the GPU holds at
-// once (SMs x resident blocks per SM, read from the device: one block of 768
+// once (SMs x resident blocks per SM, read from the device: one block of 1024
 // threads per SM), each block taking work until none is left.
 //
 // Work items are (batch n, head m, chunk of kChunkQueries consecutive
@@ -9,7 +9,7 @@
 // pair's cache, and takes the pair's chunks one after the other until its
 // counter runs out; then it moves on to the next (n, m) with work left. So a
 // block keeps one (n, m) for many chunks and loads its cache once per (n, m),
-// and its 24 warps work on neighbouring queries at the same time (warp w takes
+// and its 32 warps work on neighbouring queries at the same time (warp w takes
 // queries w * kWarpQueries... of the chunk): their samples of the levels read
 // from global memory fall close together and share the SM's L1.
 //
@@ -31,11 +31,11 @@
 namespace msda::cuda {
 namespace {
 
-// One block of 768 threads per SM (24 warps; up to 80 registers a thread, so
-// that 32-byte gathers of 16-bit values do not spill).
-constexpr int kPThreads = 768;
+// One block of 1024 threads per SM (32 warps, the baseline's occupancy; at
+// most 64 registers a thread).
+constexpr int kPThreads = 1024;
 constexpr int kWarpQueries = 16;                              // a warp's share of a chunk
-constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // 384
+constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // 512
 constexpr int64_t kDefaultCache = 96 * 1024;  // bytes; the rest of the SM's memory is L1
 
 // Decides which levels to cache (smallest first, while they fit) and where.
@@ -206,7 +206,7 @@ struct Launch {
 int64_t persistent_workspace_bytes(const Problem& pb) { return pb.N * pb.M * int64_t(sizeof(int)); }
 
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream) {
-  return launch_for_dtypes<Launch, false, 32>(p, stream);
+  return launch_for_dtypes<Launch>(p, stream);
 }
 
 }  // namespace msda::cuda
