@@ -4,7 +4,7 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes,
-#                               profile, sass, diag)
+#                               profile, sass, diag, dsmem)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -72,6 +72,10 @@ for stage in $STAGES; do
           echo "sanitize $tool: FAILED"; tail -40 "$OUT/sanitize_$tool.txt"; status=1
         fi
       done ;;
+    dsmem)
+      # Distributed shared memory latency and bandwidth (the cluster backend's notes).
+      $PY -m benchmarks.dsmem --out "$OUT" 2>&1 | tee "$OUT/dsmem.txt" | tail -12
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "DSMEM FAILED"; status=1; } ;;
     stress)
       $PY tests/stress.py --iterations ${STRESS_ITERATIONS:-3000} 2>&1 | tee "$OUT/stress.txt" | tail -5
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "STRESS FAILED"; status=1; } ;;

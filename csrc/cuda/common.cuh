@@ -251,6 +251,21 @@ cudaError_t launch_for_dtypes(const Params& p, cudaStream_t stream) {
 
 constexpr int kThreads = 256;
 
+// Device figures the caching backends size their launches from.
+struct DeviceLimits {
+  int sms = 0;
+  int smem_optin = 0;  // shared memory a block may opt in to
+};
+
+inline cudaError_t device_limits(DeviceLimits& d) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return err;
+}
+
 inline unsigned grid_for(int64_t threads) {
   return static_cast<unsigned>((threads + kThreads - 1) / kThreads);
 }

@@ -79,6 +79,29 @@ __device__ __forceinline__ void gather_corners(A (&acc)[VEC], const Corners<A>& 
   }
 }
 
+// Decides which levels a caching backend keeps in shared memory: the
+// smallest levels first, while their pixels add up to at most `capacity`.
+// One thread calls it; off[l] = pixel offset of level l's pixel 0 in the
+// cache (levels concatenated), or -1 when level l is read from global memory.
+__device__ inline void plan_cache(const Level* lv, int L, int64_t capacity, int64_t* off) {
+  unsigned done = 0;  // bit l: level l considered
+  for (int l = 0; l < L; ++l) off[l] = -1;
+  int64_t used = 0;
+  for (int it = 0; it < L; ++it) {
+    int best = -1;
+    for (int l = 0; l < L; ++l) {
+      const bool smaller = best < 0 || int64_t(lv[l].H) * lv[l].W < int64_t(lv[best].H) * lv[best].W;
+      if (!(done >> l & 1u) && smaller) best = l;
+    }
+    done |= 1u << best;
+    const int64_t pixels = int64_t(lv[best].H) * lv[best].W;
+    if (pixels == 0) continue;
+    if (used + pixels > capacity) break;  // larger levels will not fit either
+    off[best] = used;
+    used += pixels;
+  }
+}
+
 // Location and weight of point i of a (query, head) row.
 template <typename A, typename LT>
 __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i, A& x, A& y, A& w) {

@@ -13,6 +13,7 @@ namespace msda::cuda {
 cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream);
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream);
 int64_t persistent_workspace_bytes(const Problem& pb);  // its zeroed tile counters
+cudaError_t cluster_forward(const ForwardParams& p, cudaStream_t stream);  // sm_90+
 
 // Backward shared by every forward backend. grad_value_acc must be zeroed;
 // with grad_value_acc null it leaves grad_value out and (cell_keys set) writes

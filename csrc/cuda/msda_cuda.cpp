@@ -37,10 +37,20 @@ int64_t no_workspace(const Problem&) { return 0; }
 
 bool never(const Problem&, const cudaDeviceProp&) { return false; }
 
+std::string needs_clusters(const cudaDeviceProp& pr) {
+  if (pr.major >= 9) return "";
+  std::ostringstream os;
+  os << "needs thread block clusters (compute capability 9.0 or later), device has " << pr.major
+     << "." << pr.minor;
+  return os.str();
+}
+
 // The auto-selection table: in preference order, the first backend whose
 // predicates pass and whose auto_ok holds is chosen. benchmarks/ measures every
 // backend on the canonical workloads (`auto:` lines check this choice).
 const CudaBackend kBackends[] = {
+    // Not yet measured faster than baseline: explicit requests only.
+    {"cluster", needs_clusters, runs_any_problem, never, no_workspace, &cuda::cluster_forward},
     // Measured slower than baseline on every canonical workload so far
     // (BENCHMARKS.md, benchmarks/NOTES.md): explicit requests only.
     {"persistent", runs_anywhere, runs_any_problem, never, &cuda::persistent_workspace_bytes,

@@ -38,29 +38,6 @@ constexpr int kWarpQueries = 16;                              // a warp's share 
 constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // 512
 constexpr int64_t kDefaultCache = 96 * 1024;  // bytes; the rest of the SM's memory is L1
 
-// Decides which levels to cache (smallest first, while they fit) and where.
-// One thread of the block calls it; off[l] = element offset of level l's pixel
-// 0 in the cache, or -1 when level l is read from global memory.
-__device__ void plan_cache(const Level* lv, int L, int64_t D, int64_t elem_bytes, int64_t budget,
-                           int64_t* off) {
-  unsigned done = 0;  // bit l: level l considered
-  for (int l = 0; l < L; ++l) off[l] = -1;
-  int64_t used = 0;  // elements
-  for (int it = 0; it < L; ++it) {
-    int best = -1;
-    for (int l = 0; l < L; ++l) {
-      const bool smaller = best < 0 || int64_t(lv[l].H) * lv[l].W < int64_t(lv[best].H) * lv[best].W;
-      if (!(done >> l & 1u) && smaller) best = l;
-    }
-    done |= 1u << best;
-    const int64_t elems = int64_t(lv[best].H) * lv[best].W * D;
-    if (elems == 0) continue;
-    if ((used + elems) * elem_bytes > budget) break;  // larger levels will not fit either
-    off[best] = used;
-    used += elems;
-  }
-}
-
 template <typename T, typename LT, int VEC>
 __global__ void __launch_bounds__(kPThreads, 1)
     persistent_forward_kernel(const ForwardParams p, const int lanes) {
@@ -75,7 +52,10 @@ __global__ void __launch_bounds__(kPThreads, 1)
   __shared__ int s_chunk;
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
-  if (threadIdx.x == 0) plan_cache(levels, pb.L, pb.D, sizeof(T), p.smem_budget, cache_off);
+  if (threadIdx.x == 0) {
+    plan_cache(levels, pb.L, p.smem_budget / (pb.D * int64_t(sizeof(T))), cache_off);
+    for (int l = 0; l < pb.L; ++l) cache_off[l] = cache_off[l] < 0 ? -1 : cache_off[l] * pb.D;
+  }
   __syncthreads();
 
   int* counters = static_cast<int*>(p.workspace);
@@ -150,20 +130,6 @@ __global__ void __launch_bounds__(kPThreads, 1)
     }
     __syncthreads();  // s_chunk is rewritten next iteration
   }
-}
-
-struct DeviceLimits {
-  int sms = 0;
-  int smem_optin = 0;
-};
-
-cudaError_t device_limits(DeviceLimits& d) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  return err;
 }
 
 template <typename T, typename LT, int VEC>
