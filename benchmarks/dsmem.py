@@ -73,7 +73,7 @@ static void launch(void (*kernel)(), dim3 grid, dim3 block, int cluster, void** 
 
 torch::Tensor dsmem_chase(int remote, int steps) {
   auto out = torch::zeros({2}, torch::dtype(torch::kInt64).device(torch::kCUDA));
-  long long* p = out.data_ptr<long long>();
+  long long* p = reinterpret_cast<long long*>(out.data_ptr<int64_t>());
   void* args[] = {&p, &remote, &steps};
   launch(reinterpret_cast<void (*)()>(chase_kernel), dim3(2), dim3(256), 2, args);
   return out;

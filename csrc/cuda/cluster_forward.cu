@@ -188,13 +188,14 @@ struct Launch {
     if (err != cudaSuccess) return err;
 
     cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute cluster_dim[1];
+    cudaLaunchAttribute cluster_dim[1] = {};
     cfg.blockDim = dim3(kCThreads);
     cfg.dynamicSmemBytes = static_cast<size_t>(dynamic);
     cfg.stream = stream;
     cfg.attrs = cluster_dim;
     cfg.numAttrs = 1;
     cluster_dim[0].id = cudaLaunchAttributeClusterDimension;
+    cluster_dim[0].val.clusterDim.y = cluster_dim[0].val.clusterDim.z = 1;
     // Whether a cluster of c blocks with this much shared memory a block can
     // be resident (cudaOccupancyMaxActiveClusters, asked once per device,
     // size and shared memory: it costs host time on every call otherwise).
@@ -208,7 +209,6 @@ struct Launch {
       const auto key = std::make_tuple(device, c, dynamic);
       if (auto it = known.find(key); it != known.end()) return it->second;
       cluster_dim[0].val.clusterDim.x = static_cast<unsigned>(c);
-      cluster_dim[0].val.clusterDim.y = cluster_dim[0].val.clusterDim.z = 1;
       cfg.gridDim = dim3(static_cast<unsigned>(c));
       int clusters = 0;
       const bool ok = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0;
