@@ -169,23 +169,14 @@ template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
     auto kernel = cluster_forward_kernel<T, LT, VEC>;
-    DeviceLimits d;
-    cudaError_t err = device_limits(d);
+    // Dynamic shared memory: the CornerSlots, then this block's part (by
+    // default all the shared memory the device allows).
+    SmemPlan plan;
+    cudaError_t err = plan_smem(kernel, CornerSlots<acc_t<T>>::kBytesPerThread * kCThreads,
+                                p.smem_budget, INT64_MAX, plan);
     if (err != cudaSuccess) return err;
-    cudaFuncAttributes attr;
-    err = cudaFuncGetAttributes(&attr, kernel);
-    if (err != cudaSuccess) return err;
-    const int64_t slots = CornerSlots<acc_t<T>>::kBytesPerThread * kCThreads;
-    const int64_t cap = static_cast<int64_t>(d.smem_optin) -
-                        static_cast<int64_t>(attr.sharedSizeBytes) - slots;
-    int64_t budget = p.smem_budget >= 0 ? std::min(p.smem_budget, cap) : cap;
-    budget = std::max<int64_t>(0, budget) / 16 * 16;
-    const int64_t row_bytes = p.pb.D * static_cast<int64_t>(sizeof(T));
-    const int64_t part_pixels = budget / row_bytes;
-    const int64_t dynamic = slots + budget;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(dynamic));
-    if (err != cudaSuccess) return err;
+    const int64_t part_pixels = plan.budget / (p.pb.D * static_cast<int64_t>(sizeof(T)));
+    const int64_t dynamic = plan.dynamic;
 
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute cluster_dim[1] = {};

@@ -49,10 +49,13 @@ std::string needs_clusters(const cudaDeviceProp& pr) {
 // predicates pass and whose auto_ok holds is chosen. benchmarks/ measures every
 // backend on the canonical workloads (`auto:` lines check this choice).
 const CudaBackend kBackends[] = {
-    // Not yet measured faster than baseline: explicit requests only.
+    // Correct, but bound by distributed shared memory: 2.0 TB/s over the
+    // chip (benchmarks/dsmem.py, H200) for ~7/8 of every sample's corner
+    // reads; 4.4x slower than baseline on ddetr_enc bf16 (benchmarks/NOTES.md).
     {"cluster", needs_clusters, runs_any_problem, never, no_workspace, &cuda::cluster_forward},
     // Measured slower than baseline on every canonical workload so far
-    // (BENCHMARKS.md, benchmarks/NOTES.md): explicit requests only.
+    // (BENCHMARKS.md, benchmarks/NOTES.md: L1/TEX-bound either way, and its
+    // shared-memory cache reads conflict): explicit requests only.
     {"persistent", runs_anywhere, runs_any_problem, never, &cuda::persistent_workspace_bytes,
      &cuda::persistent_forward},
     {"baseline", runs_anywhere, runs_any_problem, always, no_workspace, &cuda::baseline_forward},

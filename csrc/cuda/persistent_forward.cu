@@ -136,24 +136,14 @@ template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(ForwardParams p, cudaStream_t stream) {
     auto kernel = persistent_forward_kernel<T, LT, VEC>;
-    DeviceLimits d;
-    cudaError_t err = device_limits(d);
-    if (err != cudaSuccess) return err;
-    cudaFuncAttributes attr;
-    err = cudaFuncGetAttributes(&attr, kernel);
-    if (err != cudaSuccess) return err;
     // Dynamic shared memory: the CornerSlots, then the cache (default
-    // kDefaultCache bytes, capped by the opt-in limit).
-    const int64_t slots = CornerSlots<acc_t<T>>::kBytesPerThread * kPThreads;
-    const int64_t cap = static_cast<int64_t>(d.smem_optin) -
-                        static_cast<int64_t>(attr.sharedSizeBytes) - slots;
-    int64_t budget = p.smem_budget >= 0 ? p.smem_budget : kDefaultCache;
-    budget = std::max<int64_t>(0, std::min(budget, cap)) / 16 * 16;
-    p.smem_budget = budget;
-    const int64_t dynamic = slots + budget;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(dynamic));
+    // kDefaultCache bytes).
+    SmemPlan plan;
+    cudaError_t err = plan_smem(kernel, CornerSlots<acc_t<T>>::kBytesPerThread * kPThreads,
+                                p.smem_budget, kDefaultCache, plan);
     if (err != cudaSuccess) return err;
+    p.smem_budget = plan.budget;
+    const int64_t dynamic = plan.dynamic;
     int per_sm = 0;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPThreads,
                                                         static_cast<size_t>(dynamic));
@@ -161,7 +151,7 @@ struct Launch {
     const int lanes = lanes_for(p.pb.D, VEC);
     const int64_t chunks = (p.pb.Lq + kChunkQueries - 1) / kChunkQueries;
     const int64_t grid =
-        std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms, p.pb.N * p.pb.M * chunks);
+        std::min<int64_t>(int64_t(std::max(per_sm, 1)) * plan.sms, p.pb.N * p.pb.M * chunks);
     kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(dynamic), stream>>>(p, lanes);
     return cudaGetLastError();
   }
