@@ -57,16 +57,22 @@ for stage in $STAGES; do
         $PY scripts/profile_kernels.py ${PROFILE_ARGS:-} > "$OUT/ncu.txt" 2>&1 || status=1
       grep -E "forward_kernel|backward_kernel|Duration|Throughput|Hit Rate|Achieved Occupancy|Stall|wavefronts|requests|sectors|inst_executed|No Eligible|Issued Warp" "$OUT/ncu.txt" | head -150 ;;
     sanitize)
-      # compute-sanitizer over the small suite, one tool at a time
-      # (SANITIZE_TOOLS); any report fails the stage. initcheck skips host API
-      # copies (it flags PyTorch's own device-to-host copies of initialised
-      # tensors). It must instrument every kernel: with a kernel-name filter,
-      # memory written by PyTorch's kernels (randn, zeros) reads as
-      # uninitialised in ours.
-      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
+      # compute-sanitizer over the small suite, the tools (SANITIZE_TOOLS) side
+      # by side in separate processes (the run is CPU-bound); any report fails
+      # the stage. initcheck skips host API copies (it flags PyTorch's own
+      # device-to-host copies of initialised tensors). It must instrument every
+      # kernel: with a kernel-name filter, memory written by PyTorch's kernels
+      # (randn, zeros) reads as uninitialised in ours.
+      tools=${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}
+      for tool in $tools; do
         extra=""; [ $tool = initcheck ] && extra="--check-api-memory-access no"
-        if compute-sanitizer --tool $tool $extra --error-exitcode 9 --print-limit 20 \
-            $PY tests/sanitize_suite.py > "$OUT/sanitize_$tool.txt" 2>&1; then
+        ( compute-sanitizer --tool $tool $extra --error-exitcode 9 --print-limit 20 \
+            $PY tests/sanitize_suite.py > "$OUT/sanitize_$tool.txt" 2>&1
+          echo $? > "$OUT/sanitize_$tool.rc" ) &
+      done
+      wait
+      for tool in $tools; do
+        if [ "$(cat "$OUT/sanitize_$tool.rc")" = 0 ]; then
           echo "sanitize $tool: clean ($(grep -h 'sanitize suite' "$OUT/sanitize_$tool.txt"); $(grep -h 'ERROR SUMMARY' "$OUT/sanitize_$tool.txt" | tail -1))"
         else
           echo "sanitize $tool: FAILED"; tail -40 "$OUT/sanitize_$tool.txt"; status=1
