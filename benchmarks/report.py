@@ -41,9 +41,9 @@ def _fmt(x, spec=".0f"):
 def comparison(result: Dict, backend: str) -> List[str]:
     rows = result["rows"]
     out = [
-        f"| workload | ours fp32 fwd | original fwd | ours fp32 bwd | original bwd | "
-        f"ours bf16 fwd | ours bf16 bwd | ours bf16 error | flash fp16 fwd | flash fp16 bwd | "
-        f"flash fp16 error |",
+        "| workload | ours fp32 fwd | original fwd | ours fp32 bwd | original bwd | "
+        "ours bf16 fwd | ours bf16 bwd | ours bf16 error | flash fp16 fwd | flash fp16 bwd | "
+        "flash fp16 error |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for wl, (gs, of, ob, ff, fb, fe) in PEERS.items():
@@ -73,6 +73,29 @@ def full_table(result: Dict) -> List[str]:
             f"| {r['workload']} | {r['dtype']} | {r['pass_']} | {r['impl']} | {r['time_us']:.1f} | "
             f"{_fmt(r.get('bwd_us'), '.1f')} | {r['GBps']:.0f} | {r['x_floor']:.1f} | "
             f"{r['floor_us']:.1f} | {err} |")
+    return out
+
+
+def auto_table(result: Dict, forward_backends: List[str]) -> List[str]:
+    """Forward time of every forward backend side by side per (workload,
+    dtype), what backend="auto" chose and whether it was the fastest."""
+    rows = result["rows"]
+    out = [
+        "| workload | dtype | " + " | ".join(f"{b} (us)" for b in forward_backends)
+        + " | auto picks | fastest |",
+        "|---|---|" + "---:|" * len(forward_backends) + "---|---|",
+    ]
+    keys = list(dict.fromkeys((r["workload"], r["dtype"]) for r in rows if r["pass_"] == "fwd"))
+    for wl, dt in keys:
+        found = {b: _row(rows, wl, dt, b, "fwd") for b in forward_backends}
+        timed = {b: r["time_us"] for b, r in found.items() if r}
+        if not timed:
+            continue
+        pick = next((r.get("auto_choice") for r in found.values() if r), None)
+        best = min(timed, key=timed.get)
+        verdict = best if pick == best else f"{best} (auto {timed.get(pick, float('nan')) / timed[best]:.2f}x slower)"
+        cells = " | ".join(_fmt(timed.get(b), ".1f") for b in forward_backends)
+        out.append(f"| {wl} | {dt} | {cells} | {pick} | {verdict} |")
     return out
 
 
@@ -107,6 +130,17 @@ def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
         "",
     ]
     lines += comparison(result, main_backend)
+    # Forward backends only ("deterministic" changes the backward alone).
+    forward_backends = [b for b in ours if b != "deterministic"]
+    lines += [
+        "",
+        "## Auto-selection (forward, every backend side by side)",
+        "",
+        "`backend=\"auto\"` walks the preference table in `csrc/cuda/msda_cuda.cpp`; "
+        "this checks its choice against the fastest backend of the same run.",
+        "",
+    ]
+    lines += auto_table(result, forward_backends)
     lines += [
         "",
         "## Full table",
