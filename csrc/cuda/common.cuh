@@ -136,12 +136,6 @@ __device__ __forceinline__ void load_xy(const LT* p, A (&xy)[2]) {
   xy[1] = A(raw[1]);
 }
 
-// Element offset of pixel `pix` at `stride` elements a pixel: both are
-// non-negative 32-bit values, so one 32x32 -> 64-bit multiply does it.
-__device__ __forceinline__ uint64_t pixel_offset(int pix, int stride) {
-  return static_cast<uint64_t>(static_cast<unsigned>(pix)) * static_cast<unsigned>(stride);
-}
-
 // Address of pixel `pix` of a level whose pixel 0 is at `base`, at
 // `stride_bytes` bytes a pixel (< 4 GiB, checked by the binding): one
 // IMAD.WIDE.U32 (pix * stride + base) where element offsets cost four.

@@ -68,7 +68,7 @@ __device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W
 
 // acc += sum_k c.w[k] * value(c.pix[k]) over VEC channels. fetch(pixel, v)
 // loads the VEC channels of row-major pixel `pixel` of the level. The four
-// loads issue back to back, with no branch (the forward is issue-bound).
+// loads issue back to back, with no branch in between.
 template <typename A, int VEC, typename Fetch>
 __device__ __forceinline__ void gather_corners(A (&acc)[VEC], const Corners<A>& c, Fetch&& fetch) {
   A v[4][VEC];
@@ -149,9 +149,9 @@ __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i,
 // weight loads, bilinear weights, corner indices): lane j resolves point
 // p0 + j of a level into its slot of `slots` (shared memory, see CornerSlots),
 // and the group then gathers those points one after the other, reading each
-// point's corners from its slot (a broadcast). So the
-// set-up runs once a sample instead of once per lane, and the gather loop has
-// no shuffles (whose convergence checks cost more than they save).
+// point's corners from its slot (a broadcast). So the set-up runs once a
+// sample instead of once per lane, and the gather loop has no shuffles (whose
+// convergence checks cost more than they save; benchmarks/NOTES.md).
 // with_fetch(l, c, body) calls body(fetch) with the fetch for level l at
 // channel offset c (global memory, shared memory...), which is where the
 // backends differ.
