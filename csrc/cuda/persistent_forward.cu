@@ -36,7 +36,7 @@ namespace {
 constexpr int kPThreads = 1024;
 constexpr int kWarpQueries = 16;                              // a warp's share of a chunk
 constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // 512
-constexpr int64_t kDefaultCache = 176 * 1024;  // bytes; the rest of the SM's memory is L1
+constexpr int64_t kDefaultCache = 96 * 1024;  // bytes; the rest of the SM's memory is L1
 
 template <typename T, typename LT, int VEC>
 __global__ void __launch_bounds__(kPThreads, 1)
@@ -52,16 +52,9 @@ __global__ void __launch_bounds__(kPThreads, 1)
   __shared__ int s_chunk;
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
-  // Two groups of 4 lanes share each quarter-warp phase of a 16-byte shared
-  // load; with 64-byte rows they conflict whenever their rows fall in the
-  // same half of the banks. So such rows are stored twice, side by side
-  // (128 bytes a pixel): even groups read the first copy, odd groups the
-  // second, and the two never share a bank.
-  const int copies = (VEC * sizeof(T) == 16 && lanes == 4 && pb.D * sizeof(T) == 64) ? 2 : 1;
-  const int64_t px_stride = copies * pb.D;  // elements between cached pixels
   if (threadIdx.x == 0) {
-    plan_cache(levels, pb.L, p.smem_budget / (px_stride * int64_t(sizeof(T))), cache_off);
-    for (int l = 0; l < pb.L; ++l) cache_off[l] = cache_off[l] < 0 ? -1 : cache_off[l] * px_stride;
+    plan_cache(levels, pb.L, p.smem_budget / (pb.D * int64_t(sizeof(T))), cache_off);
+    for (int l = 0; l < pb.L; ++l) cache_off[l] = cache_off[l] < 0 ? -1 : cache_off[l] * pb.D;
   }
   __syncthreads();
 
@@ -75,8 +68,7 @@ __global__ void __launch_bounds__(kPThreads, 1)
   const int64_t chunks = (pb.Lq + kChunkQueries - 1) / kChunkQueries;
   const int64_t row_stride = pb.M * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
-  const int px32 = static_cast<int>(px_stride);
-  const int copy = copies == 2 ? (lane_in_warp / lanes) & 1 : 0;  // which copy this group reads
+  const int d32 = static_cast<int>(pb.D);
   const int64_t LP = int64_t(pb.L) * pb.P;
   const int vecs_per_px = static_cast<int>(pb.D / VEC);  // cache copy: D % VEC == 0
 
@@ -101,8 +93,7 @@ __global__ void __launch_bounds__(kPThreads, 1)
 #pragma unroll 4
       for (int64_t u = threadIdx.x; u < units; u += kPThreads) {
         const int64_t px = u / vecs_per_px, c = (u % vecs_per_px) * VEC;
-        for (int k = 0; k < copies; ++k)
-          copy_vec<T, VEC>(dst + px * px_stride + k * pb.D + c, src + px * row_stride + c);
+        copy_vec<T, VEC>(dst + px * pb.D + c, src + px * row_stride + c);
       }
     }
     __syncthreads();
@@ -119,9 +110,9 @@ __global__ void __launch_bounds__(kPThreads, 1)
         forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes, slots,
                                 [&](int l, int64_t c, auto&& body) {
                                   if (cache_off[l] >= 0) {
-                                    const T* cl = cache + cache_off[l] + copy * pb.D + c;
+                                    const T* cl = cache + cache_off[l] + c;
                                     body([&](int pix, A(&v)[VEC]) {
-                                      load_vec_shared<T, VEC>(cl + pix * px32, v);
+                                      load_vec_shared<T, VEC>(cl + pix * d32, v);
                                     });
                                   } else {
                                     const T* gl = vbase + levels[l].start * row_stride + c;
