@@ -49,6 +49,10 @@ CASES = [
     ("shapes_float", lambda a: replace(a, 1, a[1].float()), r"spatial_shapes must be int64.*got Float"),
     ("shapes_int32", lambda a: replace(a, 1, a[1].int()), r"spatial_shapes must be int64.*got Int"),
     ("start_int32", lambda a: replace(a, 2, a[2].int()), r"level_start_index must be int64.*got Int"),
+    # A pixel row of 4 heads x 2^27 float64 channels (4 GiB), as a broadcast
+    # view: rejected before anything is allocated.
+    ("pixel_row_4gib", lambda a: replace(a, 0, a[0].double()[..., :1].expand(2, 30, 4, 2**27)),
+     r"one pixel of value \(M \* D \* element size\) must be < 4 GiB, got 4294967296 bytes"),
 ]
 
 # Value checks that need spatial_shapes on the host: on the CPU always, on
