@@ -76,23 +76,29 @@ def full_table(result: Dict) -> List[str]:
     return out
 
 
+def auto_verdicts(rows: List[Dict], backends: List[str]):
+    """Per (workload, dtype) of the forward pass, in run order: the forward
+    time of each of `backends` that ran (dict), what backend="auto" chose and
+    the fastest of them."""
+    keys = list(dict.fromkeys((r["workload"], r["dtype"]) for r in rows if r["pass_"] == "fwd"))
+    for wl, dt in keys:
+        found = {b: _row(rows, wl, dt, b, "fwd") for b in backends}
+        timed = {b: r["time_us"] for b, r in found.items() if r}
+        if not timed:
+            continue
+        pick = next(r.get("auto_choice") for r in found.values() if r)
+        yield wl, dt, timed, pick, min(timed, key=timed.get)
+
+
 def auto_table(result: Dict, forward_backends: List[str]) -> List[str]:
     """Forward time of every forward backend side by side per (workload,
     dtype), what backend="auto" chose and whether it was the fastest."""
-    rows = result["rows"]
     out = [
         "| workload | dtype | " + " | ".join(f"{b} (us)" for b in forward_backends)
         + " | auto picks | fastest |",
         "|---|---|" + "---:|" * len(forward_backends) + "---|---|",
     ]
-    keys = list(dict.fromkeys((r["workload"], r["dtype"]) for r in rows if r["pass_"] == "fwd"))
-    for wl, dt in keys:
-        found = {b: _row(rows, wl, dt, b, "fwd") for b in forward_backends}
-        timed = {b: r["time_us"] for b, r in found.items() if r}
-        if not timed:
-            continue
-        pick = next((r.get("auto_choice") for r in found.values() if r), None)
-        best = min(timed, key=timed.get)
+    for wl, dt, timed, pick, best in auto_verdicts(result["rows"], forward_backends):
         verdict = best if pick == best else f"{best} (auto {timed.get(pick, float('nan')) / timed[best]:.2f}x slower)"
         cells = " | ".join(_fmt(timed.get(b), ".1f") for b in forward_backends)
         out.append(f"| {wl} | {dt} | {cells} | {pick} | {verdict} |")

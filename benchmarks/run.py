@@ -29,6 +29,7 @@ import ms_deform_attn as msda
 from ms_deform_attn import workloads as W
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 
+from .report import auto_verdicts
 from .timing import (DETERMINISTIC, FP32_ONLY, PEERS, copy_bandwidth, implementations, time_cpu,
                      time_cuda)
 
@@ -266,18 +267,11 @@ def fmt_table(result: Dict) -> str:
 def auto_check(rows: List[Dict]) -> List[str]:
     """Compares what backend="auto" picked with the fastest of our backends in
     this run, per (workload, dtype), forward pass."""
-    ours = set(msda.available_backends("cuda" if torch.cuda.is_available() else "cpu"))
+    ours = msda.available_backends("cuda" if torch.cuda.is_available() else "cpu")
     lines = []
-    groups: Dict = {}
-    for r in rows:
-        if r["pass_"] == "fwd" and r["impl"] in ours:
-            groups.setdefault((r["workload"], r["dtype"]), []).append(r)
-    for (wl, dt), rs in groups.items():
-        best = min(rs, key=lambda r: r["time_us"])
-        pick = rs[0]["auto_choice"]
-        t_pick = next((r["time_us"] for r in rs if r["impl"] == pick), float("nan"))
-        verdict = "ok" if pick == best["impl"] else f"auto is {t_pick / best['time_us']:.2f}x slower"
-        lines.append(f"auto: {wl} {dt}: picks {pick}, fastest {best['impl']} ({verdict})")
+    for wl, dt, timed, pick, best in auto_verdicts(rows, ours):
+        verdict = "ok" if pick == best else f"auto is {timed.get(pick, float('nan')) / timed[best]:.2f}x slower"
+        lines.append(f"auto: {wl} {dt}: picks {pick}, fastest {best} ({verdict})")
     return lines
 
 

@@ -98,6 +98,14 @@ def run(value, shapes, start, loc, attn, backend):
     return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
 
 
+def budget_error(monkeypatch, backend, budget, inputs):
+    """Relative error against float64 of a caching backend (persistent,
+    cluster) run with MS_DEFORM_ATTN_SMEM_BUDGET = `budget` bytes of shared
+    memory for its cache (-1: the backend's default)."""
+    monkeypatch.setenv("MS_DEFORM_ATTN_SMEM_BUDGET", str(budget))
+    return rel_err(run(*inputs, backend), reference64(*inputs))
+
+
 def reference_gather(value, shapes, start, loc, attn):
     """Float64 MSDA by direct corner gathers (no grid_sample, no float64 copy
     of value): for a few queries against a value tensor too large to copy.

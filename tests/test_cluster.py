@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import DTYPES, TOL, make_inputs, reference64, rel_err
+from helpers import DTYPES, TOL, budget_error, make_inputs
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or "cluster" not in msda.available_backends("cuda"),
@@ -22,11 +22,8 @@ SHAPES = [(30, 40), (15, 20), (8, 10), (4, 5)]
 
 
 def run(budget, n, lq, m, d, shapes, dtype, monkeypatch, p=4):
-    monkeypatch.setenv("MS_DEFORM_ATTN_SMEM_BUDGET", str(budget))
     inputs = make_inputs(n, lq, m, d, shapes, p, dtype, torch.float32, device="cuda")
-    out = msda.ms_deform_attn(*inputs, backend="cluster")
-    torch.cuda.synchronize()
-    return rel_err(out, reference64(*inputs))
+    return budget_error(monkeypatch, "cluster", budget, inputs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[str(t).split(".")[1] for t in DTYPES])

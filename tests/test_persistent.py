@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import TOL, make_inputs, reference64, rel_err
+from helpers import TOL, budget_error, make_inputs, reference64, rel_err
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or "persistent" not in msda.available_backends("cuda"),
@@ -21,18 +21,14 @@ SHAPES = [(20, 30), (10, 15), (5, 8), (3, 4)]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
                          ids=["float32", "bfloat16", "float16", "float64"])
 def test_cache_budgets(monkeypatch, budget, dtype):
-    monkeypatch.setenv("MS_DEFORM_ATTN_SMEM_BUDGET", budget)
     inputs = make_inputs(2, 777, 8, 32, SHAPES, 4, dtype, torch.float32, device="cuda")
-    out = msda.ms_deform_attn(*inputs, backend="persistent")
-    assert rel_err(out, reference64(*inputs)) <= TOL[dtype]
+    assert budget_error(monkeypatch, "persistent", budget, inputs) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("d", [30, 64, 128])
 def test_cache_budget_odd_channels(monkeypatch, d):
-    monkeypatch.setenv("MS_DEFORM_ATTN_SMEM_BUDGET", "20000")
     inputs = make_inputs(1, 300, 4, d, SHAPES, 3, torch.float32, device="cuda")
-    out = msda.ms_deform_attn(*inputs, backend="persistent")
-    assert rel_err(out, reference64(*inputs)) <= TOL[torch.float32]
+    assert budget_error(monkeypatch, "persistent", 20000, inputs) <= TOL[torch.float32]
 
 
 def test_many_tiles_per_block():
