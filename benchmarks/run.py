@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -190,10 +191,14 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
     del ref_in
 
     rows = []
-    choice = msda.select_backend(*[t.detach() for t in base])
+    # Our implementations get the host-side level shapes, as transformers
+    # passes them (value_spatial_shapes_list); the tma backend needs them.
+    choice = msda.select_backend(*[t.detach() for t in base], spatial_shapes_list=wl.levels)
     for name, fn in impls.items():
         if name in FP32_ONLY and dtype != torch.float32:
             continue
+        if getattr(fn, "takes_host_shapes", False):
+            fn = functools.partial(fn, spatial_shapes_list=wl.levels)
         for pas in passes:
             row = dict(workload=wl.name, dtype=dname, impl=name, pass_=pas,
                        auto_choice=choice, sets=n_sets)

@@ -15,9 +15,11 @@ Inputs = Sequence[torch.Tensor]  # value, spatial_shapes, level_start_index, loc
 
 # ---- implementations --------------------------------------------------------------
 def _ours(backend: str, deterministic: bool = False):
-    def fn(value, shapes, start, loc, attn):
+    def fn(value, shapes, start, loc, attn, spatial_shapes_list=None):
         return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
-                                   deterministic=deterministic)
+                                   deterministic=deterministic,
+                                   spatial_shapes_list=spatial_shapes_list)
+    fn.takes_host_shapes = True  # the benchmark hands it the workload's level shapes
     return fn
 
 

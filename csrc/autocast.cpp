@@ -18,15 +18,16 @@ template <c10::DispatchKey key>
 at::Tensor forward_autocast(const at::Tensor& value, const at::Tensor& spatial_shapes,
                             const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                             const at::Tensor& attention_weights, c10::string_view backend,
-                            std::optional<bool> deterministic) {
+                            std::optional<bool> deterministic,
+                            at::OptionalIntArrayRef spatial_shapes_list) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("ms_deform_attn::ms_deform_attn", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const at::Tensor&, const at::Tensor&, c10::string_view,
-                                         std::optional<bool>)>();
+                                         std::optional<bool>, at::OptionalIntArrayRef)>();
   return op.call(value, spatial_shapes, level_start_index, to_fp32(sampling_locations),
-                 to_fp32(attention_weights), backend, deterministic);
+                 to_fp32(attention_weights), backend, deterministic, spatial_shapes_list);
 }
 
 }  // namespace

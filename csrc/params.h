@@ -18,6 +18,7 @@ struct Problem {
   int P = 0;       // points per level
   DType value_dtype = DType::f32;
   DType loc_dtype = DType::f32;  // dtype of locations and weights (same for both)
+  bool host_shapes = false;      // the caller passed the level shapes on the host too
 };
 
 struct ForwardParams {
@@ -31,6 +32,7 @@ struct ForwardParams {
   int vec = 1;                             // elements per vector access
   void* workspace = nullptr;               // zeroed scratch, as the backend asked for
   int64_t smem_budget = -1;                // shared-memory bytes a caching backend may use (-1: its default)
+  const int64_t* host_shapes = nullptr;    // (L, 2) (H, W) in host memory when pb.host_shapes
 };
 
 struct BackwardParams {

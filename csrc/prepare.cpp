@@ -39,6 +39,37 @@ void check_level_values(const at::Tensor& spatial_shapes, const at::Tensor& leve
               total, ", got ", pb.S);
 }
 
+// spatial_shapes_list: 2 * L positive numbers whose (H, W) pairs cover S.
+// Compared with spatial_shapes too when that is a host tensor (no sync); on
+// CUDA the kernels that use it (tma) fall back to spatial_shapes for any
+// level where the two disagree, so a wrong list never reads out of bounds.
+std::vector<int64_t> check_host_shapes(at::IntArrayRef list, const at::Tensor& spatial_shapes,
+                                       const Problem& pb) {
+  TORCH_CHECK(static_cast<int64_t>(list.size()) == 2 * pb.L, kOp,
+              "spatial_shapes_list must hold one (H, W) pair per level, ", 2 * pb.L,
+              " numbers for spatial_shapes.size(0) = ", pb.L, " levels, got ", list.size());
+  int64_t total = 0;
+  for (int l = 0; l < pb.L; ++l) {
+    const int64_t H = list[2 * l], W = list[2 * l + 1];
+    TORCH_CHECK(H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX, kOp, "spatial_shapes_list[", l,
+                "] = (", H, ", ", W, ") must be positive (H, W)");
+    total += H * W;
+  }
+  TORCH_CHECK(total == pb.S, kOp,
+              "spatial_shapes_list must cover value.size(1) (S): sum of H * W = ", total,
+              ", expected ", pb.S);
+  if (spatial_shapes.device().is_cpu()) {
+    auto shapes = spatial_shapes.contiguous();
+    const int64_t* sh = shapes.data_ptr<int64_t>();
+    for (int l = 0; l < 2 * pb.L; ++l) {
+      TORCH_CHECK(sh[l] == list[l], kOp, "spatial_shapes_list[", l / 2, "] = (", list[l / 2 * 2],
+                  ", ", list[l / 2 * 2 + 1], ") must equal spatial_shapes[", l / 2, "] = (",
+                  sh[l / 2 * 2], ", ", sh[l / 2 * 2 + 1], ")");
+    }
+  }
+  return std::vector<int64_t>(list.begin(), list.end());
+}
+
 void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* layout) {
   TORCH_CHECK(t.dim() == rank, kOp, name, " must have ", rank, " dimensions ", layout,
               ", got ", t.dim(), " (shape ", t.sizes(), ")");
@@ -81,7 +112,8 @@ DType to_dtype(at::ScalarType t) {
 Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
                         const at::Tensor& level_start_index,
                         const at::Tensor& sampling_locations,
-                        const at::Tensor& attention_weights) {
+                        const at::Tensor& attention_weights,
+                        at::OptionalIntArrayRef spatial_shapes_list) {
   // Ranks.
   check_rank(value, "value", 4, "(N, S, M, D)");
   check_rank(spatial_shapes, "spatial_shapes", 2, "(L, 2)");
@@ -160,6 +192,10 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   }
 
   Prepared in;
+  if (spatial_shapes_list.has_value()) {
+    in.host_shapes = check_host_shapes(*spatial_shapes_list, spatial_shapes, pb);
+    pb.host_shapes = true;
+  }
   in.pb = pb;
   in.loc_dtype_in = sampling_locations.scalar_type();
   in.attn_dtype_in = attention_weights.scalar_type();

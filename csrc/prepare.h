@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "params.h"
@@ -16,15 +17,20 @@ struct Prepared {
   Problem pb;
   at::Tensor value, spatial_shapes, level_start, loc, attn;
   at::ScalarType loc_dtype_in, attn_dtype_in;  // what the caller passed
+  std::vector<int64_t> host_shapes;  // spatial_shapes_list flattened (H0, W0, H1, ...), or empty
 };
 
 // Validates every argument (rank, sizes, dtypes, devices; on CPU also the
 // values of spatial_shapes and level_start_index) and raises a clear error
 // naming the argument, the expected and the actual value.
+// spatial_shapes_list: the level shapes on the host, flattened (H0, W0, H1,
+// W1, ...), as (H, W) pairs in Python; optional. Checked against L and S (and
+// against spatial_shapes when that is a host tensor).
 Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
                         const at::Tensor& level_start_index,
                         const at::Tensor& sampling_locations,
-                        const at::Tensor& attention_weights);
+                        const at::Tensor& attention_weights,
+                        at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
 
 // Points a ForwardParams / BackwardParams at the prepared inputs.
 template <typename Params>
@@ -35,6 +41,9 @@ void set_inputs(Params& p, const Prepared& in) {
   p.level_start = in.level_start.data_ptr<int64_t>();
   p.loc = in.loc.data_ptr();
   p.attn = in.attn.data_ptr();
+  if constexpr (std::is_same_v<Params, ForwardParams>) {
+    p.host_shapes = in.host_shapes.empty() ? nullptr : in.host_shapes.data();
+  }
 }
 
 // Checks grad_output against the prepared problem and returns it contiguous.
@@ -53,6 +62,8 @@ struct CudaHooks {
   std::vector<std::string> (*available)(int device) = nullptr;
   // Backend "auto" resolves to for these inputs.
   std::string (*select)(const Problem& pb, int device) = nullptr;
+  // Why backend `name` cannot run these inputs ("" when it can).
+  std::string (*reason)(const std::string& name, const Problem& pb, int device) = nullptr;
 };
 CudaHooks& cuda_hooks();
 

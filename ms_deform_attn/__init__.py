@@ -9,9 +9,9 @@ level_start_index (L,) int64, sampling_locations (N, Lq, M, L, P, 2) in
 [0, 1] (x, y), attention_weights (N, Lq, M, L, P); output (N, Lq, M * D).
 """
 from . import _ops  # noqa: F401  (loads the extension, registers fake and autograd)
-from ._ops import available_backends, ms_deform_attn, select_backend
+from ._ops import available_backends, backend_reason, ms_deform_attn, select_backend
 from . import compat, nn, reference, workloads
 
-__all__ = ["ms_deform_attn", "available_backends", "select_backend", "reference", "nn", "compat",
-           "workloads"]
+__all__ = ["ms_deform_attn", "available_backends", "select_backend", "backend_reason",
+           "reference", "nn", "compat", "workloads"]
 __version__ = "0.1.0"

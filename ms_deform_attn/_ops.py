@@ -1,7 +1,7 @@
 """Python side of the operator: fake kernels, autograd, public wrappers."""
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import List, Optional, Sequence, Union
 
 import torch
 
@@ -19,6 +19,7 @@ def ms_deform_attn(
     *,
     backend: str = "auto",
     deterministic: Optional[bool] = None,
+    spatial_shapes_list: Optional[Sequence] = None,
 ) -> torch.Tensor:
     """Multi-scale deformable attention (Deformable DETR, eq. 2).
 
@@ -36,14 +37,33 @@ def ms_deform_attn(
             atomics; slower, see BENCHMARKS.md). None (default) follows
             torch.are_deterministic_algorithms_enabled() at backward time.
             The forward is deterministic either way.
+        spatial_shapes_list: the level shapes on the host, [(H, W), ...] (what
+            transformers passes as value_spatial_shapes_list), equal to
+            spatial_shapes. Optional; the `tma` backend needs it to build its
+            copy descriptors without reading spatial_shapes back from the GPU
+            (a sync), and without it "auto" never picks `tma`.
 
     Returns:
         (N, Lq, M * D) in value's dtype.
     """
     return _lib.ms_deform_attn(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
-        deterministic,
+        deterministic, _flat_shapes(spatial_shapes_list),
     )
+
+
+def _flat_shapes(shapes: Optional[Sequence]) -> Optional[List[int]]:
+    """[(H, W), ...] (or already flat [H, W, ...]) as the flat int list the
+    operator's schema takes."""
+    if shapes is None:
+        return None
+    flat: List[int] = []
+    for item in shapes:
+        if isinstance(item, (tuple, list, torch.Size)):
+            flat.extend(int(v) for v in item)
+        else:
+            flat.append(int(item))
+    return flat
 
 
 def available_backends(device: Optional[Union[str, torch.device]] = None) -> List[str]:
@@ -59,17 +79,29 @@ def available_backends(device: Optional[Union[str, torch.device]] = None) -> Lis
 
 
 def select_backend(value, spatial_shapes, level_start_index, sampling_locations,
-                   attention_weights) -> str:
+                   attention_weights, spatial_shapes_list=None) -> str:
     """The backend that backend="auto" resolves to for these inputs."""
     return _lib._select_backend(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        _flat_shapes(spatial_shapes_list),
+    )
+
+
+def backend_reason(backend, value, spatial_shapes, level_start_index, sampling_locations,
+                   attention_weights, spatial_shapes_list=None) -> str:
+    """Why `backend` cannot run these inputs (its predicate), or "" when it
+    can; raises for invalid inputs like the operator does."""
+    return _lib._backend_reason(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
+        _flat_shapes(spatial_shapes_list),
     )
 
 
 # ---- fake (meta) kernels -----------------------------------------------------
 @torch.library.register_fake("ms_deform_attn::ms_deform_attn")
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
-                  attention_weights, backend="auto", deterministic=None):
+                  attention_weights, backend="auto", deterministic=None,
+                  spatial_shapes_list=None):
     torch._check(value.dim() == 4, lambda: "ms_deform_attn: value must have 4 dimensions")
     torch._check(sampling_locations.dim() == 6,
                  lambda: "ms_deform_attn: sampling_locations must have 6 dimensions")
@@ -90,7 +122,7 @@ def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampli
 # ---- autograd -------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
     (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, _,
-     deterministic) = inputs
+     deterministic, _) = inputs
     ctx.deterministic = deterministic
     ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations,
                           attention_weights)
@@ -114,6 +146,7 @@ def _backward(ctx, grad_output):
         None,
         grad_loc if need[3] else None,
         grad_attn if need[4] else None,
+        None,
         None,
         None,
     )

@@ -41,9 +41,11 @@ def multi_scale_deformable_attn_pytorch(value, value_spatial_shapes, sampling_lo
                                         attention_weights):
     """mmcv's `multi_scale_deformable_attn_pytorch(value, value_spatial_shapes,
     sampling_locations, attention_weights)` signature, on this package's
-    operator. `value_spatial_shapes` may be an (L, 2) tensor or a list of (H, W)."""
+    operator. `value_spatial_shapes` may be an (L, 2) tensor or a list of (H, W)
+    (then also handed to the operator as its host-side `spatial_shapes_list`)."""
+    shapes_list = None
     if not torch.is_tensor(value_spatial_shapes):
-        value_spatial_shapes = torch.as_tensor(value_spatial_shapes, dtype=torch.long,
-                                               device=value.device)
+        shapes_list = [(int(h), int(w)) for h, w in value_spatial_shapes]
+        value_spatial_shapes = torch.as_tensor(shapes_list, dtype=torch.long, device=value.device)
     return ms_deform_attn(value, value_spatial_shapes, level_start_index(value_spatial_shapes),
-                          sampling_locations, attention_weights)
+                          sampling_locations, attention_weights, spatial_shapes_list=shapes_list)

@@ -21,9 +21,9 @@ from .compat import multi_scale_deformable_attn_pytorch
 
 class MultiScaleDeformableAttention(nn.Module):
     """Parameter-free MSDA layer with transformers' forward signature.
-    `value_spatial_shapes_list` (host-side (H, W) pairs) and `im2col_step`
-    are accepted; the device tensor `value_spatial_shapes` is what the
-    operator reads."""
+    `value_spatial_shapes_list` (host-side (H, W) pairs) goes to the operator
+    as `spatial_shapes_list`, which the `tma` backend needs; `im2col_step` is
+    accepted and ignored."""
 
     def __init__(self, backend: str = "auto"):
         super().__init__()
@@ -34,7 +34,8 @@ class MultiScaleDeformableAttention(nn.Module):
                 sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
                 im2col_step: int = 64) -> torch.Tensor:
         return ms_deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
-                              attention_weights, backend=self.backend)
+                              attention_weights, backend=self.backend,
+                              spatial_shapes_list=value_spatial_shapes_list)
 
 
 def multi_scale_deformable_attention(value, value_spatial_shapes, sampling_locations,

@@ -74,7 +74,8 @@ class MSDeformAttn(nn.Module):
     def forward(self, query: torch.Tensor, reference_points: torch.Tensor,
                 input_flatten: torch.Tensor, input_spatial_shapes: torch.Tensor,
                 input_level_start_index: torch.Tensor,
-                input_padding_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                input_padding_mask: Optional[torch.Tensor] = None,
+                input_spatial_shapes_list=None) -> torch.Tensor:
         """
         Args:
             query: (N, Lq, d_model).
@@ -84,6 +85,8 @@ class MSDeformAttn(nn.Module):
             input_spatial_shapes: (n_levels, 2) int64 (H, W).
             input_level_start_index: (n_levels,) int64.
             input_padding_mask: (N, S) bool, True at padding.
+            input_spatial_shapes_list: optional [(H, W), ...] on the host, equal
+                to input_spatial_shapes; the `tma` backend needs it.
         Returns:
             (N, Lq, d_model).
         """
@@ -115,5 +118,6 @@ class MSDeformAttn(nn.Module):
                                             locations, weights)
         else:
             output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
-                                    locations, weights, backend=self.backend)
+                                    locations, weights, backend=self.backend,
+                                    spatial_shapes_list=input_spatial_shapes_list)
         return self.output_proj(output)

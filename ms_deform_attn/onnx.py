@@ -59,7 +59,8 @@ def custom_translation_table() -> Dict[Any, Callable]:
     int32 = onnx.TensorProto.INT32
 
     def ms_deform_attn_to_trt(value, spatial_shapes, level_start_index, sampling_locations,
-                              attention_weights, backend="auto", deterministic=None):
+                              attention_weights, backend="auto", deterministic=None,
+                              spatial_shapes_list=None):
         out = getattr(trt, TRT_PLUGIN)(
             value, op.Cast(spatial_shapes, to=int32), op.Cast(level_start_index, to=int32),
             op.CastLike(sampling_locations, value), op.CastLike(attention_weights, value))

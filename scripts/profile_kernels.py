@@ -15,19 +15,20 @@ from ms_deform_attn import workloads as W  # noqa: E402
 name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
     sys.argv[2] if len(sys.argv) > 2 else "bf16"]
-inputs = W.make_inputs(W.get(name), dtype, torch.float32, device="cuda")
+wl = W.get(name)
+inputs = W.make_inputs(wl, dtype, torch.float32, device="cuda")
 grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * inputs[0].shape[3],
                    device="cuda", dtype=dtype)
 backends = msda.available_backends("cuda")
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
 for _ in range(3):  # warm-up: module load, allocator
     for b in backends:
-        msda.ms_deform_attn(*inputs, backend=b)
+        msda.ms_deform_attn(*inputs, backend=b, spatial_shapes_list=wl.levels)
     bwd(grad, *inputs)
 torch.cuda.synchronize()
 torch.cuda.profiler.start()
 for b in backends:
-    msda.ms_deform_attn(*inputs, backend=b)
+    msda.ms_deform_attn(*inputs, backend=b, spatial_shapes_list=wl.levels)
 bwd(grad, *inputs)
 torch.cuda.synchronize()
 torch.cuda.profiler.stop()

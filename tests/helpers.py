@@ -94,8 +94,37 @@ def rel_err(out, ref):
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
 
-def run(value, shapes, start, loc, attn, backend):
-    return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
+def host_shapes(shapes):
+    """spatial_shapes as the host-side [(H, W), ...] list (a device-to-host copy:
+    call it outside CUDA-graph capture and compiled regions), or None when
+    spatial_shapes is not a valid (L, 2) integer tensor. The tests hand it to
+    every call, as transformers does, so that the `tma` backend, which needs
+    it, runs the same tests as the others."""
+    if shapes.dim() != 2 or shapes.size(1) != 2 or shapes.is_floating_point():
+        return None
+    return [tuple(hw) for hw in shapes.tolist()]
+
+
+def skip_unless_runs(backend, value, shapes, start, loc, attn, spatial_shapes_list=None):
+    """Skips the test when `backend`'s predicate rejects these (valid) inputs,
+    with its reason (e.g. tma: float64 values). Invalid inputs are left to the
+    operator call that follows, which must raise."""
+    try:
+        why = msda.backend_reason(backend, value, shapes, start, loc, attn,
+                                  spatial_shapes_list=spatial_shapes_list)
+    except RuntimeError:
+        return
+    if why:
+        pytest.skip(f"{backend} cannot run these inputs: {why}")
+
+
+def run(value, shapes, start, loc, attn, backend, **kwargs):
+    """The operator with host-side shapes (see host_shapes), skipping inputs
+    the backend's predicate rejects."""
+    hs = host_shapes(shapes)
+    skip_unless_runs(backend, value, shapes, start, loc, attn, hs)
+    return msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                               spatial_shapes_list=hs, **kwargs)
 
 
 def budget_error(monkeypatch, backend, budget, inputs):

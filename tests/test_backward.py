@@ -3,14 +3,12 @@ reference's autograd, double backward."""
 import pytest
 import torch
 
-import ms_deform_attn as msda
 from ms_deform_attn.reference import ms_deform_attn_pytorch
-from helpers import TOL, device_backends, make_inputs, reference64_grads, rel_err
+from helpers import TOL, device_backends, make_inputs, reference64_grads, rel_err, run
 
 
 def op(backend, deterministic=None):
-    return lambda v, s, st, l, a: msda.ms_deform_attn(v, s, st, l, a, backend=backend,
-                                                      deterministic=deterministic)
+    return lambda v, s, st, l, a: run(v, s, st, l, a, backend, deterministic=deterministic)
 
 
 # The fast backward (atomics) and the deterministic one (sort and gather).

@@ -96,16 +96,47 @@ def on_device(args, device):
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("name,mutate,pattern", CPU_CASES, ids=[c[0] for c in CPU_CASES])
 def test_bad_values(device, backend, name, mutate, pattern, monkeypatch):
+    """spatial_shapes / level_start_index values, with the shapes only in
+    tensors (no spatial_shapes_list, whose own checks are HOST_LIST_CASES)."""
+    if backend == "tma":
+        pytest.skip("tma needs spatial_shapes_list (tests/test_tma.py covers wrong lists)")
     args = on_device(mutate(good("cpu")), device)
     if device == "cuda":
         # Unchecked (the default: no sync): runs, reads nothing out of bounds.
-        out = run(*args, backend)
+        out = msda.ms_deform_attn(*args, backend=backend)
         torch.cuda.synchronize()
         assert not torch.isnan(out).any()
         monkeypatch.setenv("MS_DEFORM_ATTN_CHECK_SHAPES", "1")
     with pytest.raises(RuntimeError, match=pattern):
-        run(*args, backend)
+        msda.ms_deform_attn(*args, backend=backend)
     assert_usable(device)
+
+
+# spatial_shapes_list (host side, so checked without a sync on every device).
+HOST_LIST_CASES = [
+    ("list_length", [(4, 6)],
+     r"spatial_shapes_list must hold one \(H, W\) pair per level, 4 numbers for "
+     r"spatial_shapes.size\(0\) = 2 levels, got 2"),
+    ("list_zero", [(4, 6), (0, 3)], r"spatial_shapes_list\[1\] = \(0, 3\) must be positive"),
+    ("list_sum", [(4, 6), (2, 4)],
+     r"spatial_shapes_list must cover value.size\(1\) \(S\): sum of H \* W = 32, expected 30"),
+]
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("name,shapes_list,pattern", HOST_LIST_CASES,
+                         ids=[c[0] for c in HOST_LIST_CASES])
+def test_bad_host_shapes(device, backend, name, shapes_list, pattern):
+    with pytest.raises(RuntimeError, match=pattern):
+        msda.ms_deform_attn(*good(device), backend=backend, spatial_shapes_list=shapes_list)
+    assert_usable(device)
+
+
+def test_host_shapes_differing_from_cpu_tensor():
+    """On the CPU both are on the host: compared, no sync needed."""
+    with pytest.raises(RuntimeError, match=r"spatial_shapes_list\[0\] = \(6, 4\) must equal "
+                                           r"spatial_shapes\[0\] = \(4, 6\)"):
+        msda.ms_deform_attn(*good("cpu"), spatial_shapes_list=[(6, 4), (2, 3)])
 
 
 @pytest.mark.parametrize("device,backend", device_backends())

@@ -63,7 +63,8 @@ def test_huge_value(backend):
     loc = torch.rand(1, q, 4, 2, 4, 2, device="cuda", generator=g, dtype=torch.float64) * 1.2 - 0.1
     loc = away_from_pixel_borders(loc.cpu(), levels).float().cuda()
     attn = torch.rand(1, q, 4, 2, 4, device="cuda", generator=g)
-    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
+    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                              spatial_shapes_list=levels)
     assert rel_err(out, reference_gather(value, shapes, start, loc, attn)) < 1e-2
     grad = out.clone()
     for det in (False, True):
@@ -86,7 +87,8 @@ def test_huge_sampling_tensors(backend):
     queries = torch.cat([torch.randint(0, q, (1000,), generator=torch.Generator().manual_seed(2)),
                          torch.arange(q - 24, q)]).cuda()
     loc[:, queries] = away_from_pixel_borders(loc[:, queries].double().cpu(), [(64, 64)]).float().cuda()
-    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend)
+    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                              spatial_shapes_list=[(64, 64)])
     ref = reference_gather(value, shapes, start, loc[:, queries], attn[:, queries])
     assert rel_err(out[:, queries], ref) < 1e-2
     grad = out.clone()

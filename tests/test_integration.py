@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import (TOL, cuda_backends, device_backends, make_inputs, reference64,
-                     reference64_grads, rel_err)
+from helpers import (TOL, cuda_backends, device_backends, host_shapes, make_inputs, reference64,
+                     reference64_grads, rel_err, skip_unless_runs)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -13,8 +13,10 @@ from helpers import (TOL, cuda_backends, device_backends, make_inputs, reference
 def test_opcheck(device, backend, dtype):
     value, shapes, start, loc, attn = make_inputs(2, 6, 2, 8, [(4, 5), (2, 3)], 2, dtype,
                                                   device=device, requires_grad=True)
+    skip_unless_runs(backend, value, shapes, start, loc, attn, host_shapes(shapes))
     torch.library.opcheck(torch.ops.ms_deform_attn.ms_deform_attn.default,
-                          (value, shapes, start, loc, attn, backend))
+                          (value, shapes, start, loc, attn, backend, None,
+                           [x for hw in host_shapes(shapes) for x in hw]))
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -33,10 +35,11 @@ def test_torch_compile_fullgraph(device, backend):
     value, shapes, start, loc, attn = make_inputs(2, 9, 4, 16, [(6, 7), (3, 4)], 3,
                                                   torch.float32, device=device,
                                                   requires_grad=True)
+    hs = host_shapes(shapes)
 
     def f(v, l, a):
         return msda.ms_deform_attn(v * 2, shapes, start, l.clamp(-1, 2), a.softmax(-1),
-                                   backend=backend).relu()
+                                   backend=backend, spatial_shapes_list=hs).relu()
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
     out = compiled(value, loc, attn)
@@ -56,10 +59,11 @@ def test_cuda_graph_capture_forward_backward(device, backend, deterministic):
                                                   torch.bfloat16, torch.float32, device=device,
                                                   requires_grad=True)
     grad = torch.randn(2, 33, 256, device=device, dtype=torch.bfloat16)
+    hs = host_shapes(shapes)  # before the capture: a device-to-host copy
 
     def step():
         out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
-                                  deterministic=deterministic)
+                                  deterministic=deterministic, spatial_shapes_list=hs)
         return (out,) + torch.autograd.grad(out, (value, loc, attn), grad)
 
     stream = torch.cuda.Stream()
@@ -96,8 +100,9 @@ def test_runs_on_second_device(device, backend):
                          requires_grad=True)
     side = torch.cuda.Stream(device="cuda:1")
     side.wait_stream(torch.cuda.current_stream("cuda:1"))
+    hs = host_shapes(inputs[1])
     with torch.cuda.stream(side):
-        out = msda.ms_deform_attn(*inputs, backend=backend)
+        out = msda.ms_deform_attn(*inputs, backend=backend, spatial_shapes_list=hs)
         grads = torch.autograd.grad(out, (inputs[0], inputs[3], inputs[4]), torch.ones_like(out))
     side.synchronize()
     assert torch.cuda.current_device() == 0

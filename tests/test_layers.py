@@ -26,7 +26,8 @@ def module_inputs(device, n=2, lq=17, d_model=64, boxes=False, mask=False, seed=
     if boxes:
         ref[..., 2:] = ref[..., 2:] * 0.5 + 0.05
     pad = (torch.rand(n, s, generator=g) < 0.2).to(device) if mask else None
-    return query, ref, flat, shapes, start, pad
+    # The host-side shapes last (the `tma` backend needs them).
+    return query, ref, flat, shapes, start, pad, LEVELS
 
 
 def make_pair(device, backend, d_model=64, n_heads=8, n_points=3):
@@ -88,7 +89,7 @@ def test_module_matches_reference_module(device, backend, boxes, mask):
 
 def test_bad_reference_points():
     m = MSDeformAttn(64, len(LEVELS), 8, 3)
-    query, ref, flat, shapes, start, _ = module_inputs("cpu", boxes=True)
+    query, ref, flat, shapes, start, _, _ = module_inputs("cpu", boxes=True)
     with pytest.raises(ValueError, match="must be 2 or 4, got 3"):
         m(query, ref[..., :3], flat, shapes, start)
 
@@ -153,15 +154,17 @@ def test_autocast_accepts_any_input_mix(device, backend):
 class TinyEncoder(torch.nn.Module):
     """Two Deformable-DETR-style encoder layers."""
 
-    def __init__(self, d_model=64, backend="auto"):
+    def __init__(self, d_model=64, backend="auto", shapes_list=LEVELS):
         super().__init__()
+        self.shapes_list = shapes_list  # host-side level shapes, a constant to compile / export
         self.layers = torch.nn.ModuleList(
             [MSDeformAttn(d_model, len(LEVELS), 8, 3, backend=backend) for _ in range(2)])
         self.norms = torch.nn.ModuleList([torch.nn.LayerNorm(d_model) for _ in range(2)])
 
     def forward(self, src, ref, shapes, start):
         for attn, norm in zip(self.layers, self.norms):
-            src = norm(src + attn(src, ref, src, shapes, start))
+            src = norm(src + attn(src, ref, src, shapes, start,
+                                  input_spatial_shapes_list=self.shapes_list))
         return src
 
 

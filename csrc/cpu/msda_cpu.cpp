@@ -11,11 +11,12 @@ namespace {
 at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes,
                        const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                        const at::Tensor& attention_weights, c10::string_view backend,
-                       std::optional<bool> /*deterministic: the forward always is*/) {
+                       std::optional<bool> /*deterministic: the forward always is*/,
+                       at::OptionalIntArrayRef spatial_shapes_list) {
   TORCH_CHECK(backend == "auto" || backend == "cpu", "ms_deform_attn: backend '", backend,
               "' cannot run on CPU tensors; backends available on cpu: ['cpu'] (or 'auto')");
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
-                                     sampling_locations, attention_weights);
+                                     sampling_locations, attention_weights, spatial_shapes_list);
   const auto& pb = in.pb;
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
   const int64_t groups = pb.N * pb.Lq * pb.M;

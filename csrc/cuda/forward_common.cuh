@@ -12,8 +12,8 @@ namespace msda::cuda {
 // One sample resolved for the gather: the row-major pixel indices of its four
 // corners (clamped into the map, so always loadable) and their weights
 // (bilinear weight x attention weight; 0 for a corner outside the map).
-// pix[0] < 0 marks a sample that reads nothing (its footprint misses the map,
-// or its location is not finite).
+// pix[0] == kNoSample marks a sample that reads nothing (its footprint misses
+// the map, or its location is not finite).
 template <typename A>
 struct Corners {
   int pix[4];
@@ -48,22 +48,32 @@ struct CornerSlots {
   }
 };
 
+// Marks a sample that reads nothing in Corners::pix[0].
+constexpr int kNoSample = -1;
+
 // Requires H, W >= 1: callers skip the empty levels load_levels() makes of
-// levels that do not fit in value.
-template <typename A>
-__device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W) {
+// levels that do not fit in value. index(row, col) gives the number a
+// backend's fetch wants for a corner (row, col) inside the map: by default the
+// row-major pixel index; it must never be kNoSample.
+template <typename A, typename Index>
+__device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W, Index&& index) {
   const auto b = make_bilinear<A>(x, y, H, W);
   const int top = max(b.h0, 0), bottom = min(b.h0 + 1, H - 1);
   const int left = max(b.w0, 0), right = min(b.w0 + 1, W - 1);
   Corners<A> c;
-  c.pix[0] = top * W + left;
-  c.pix[1] = top * W + right;
-  c.pix[2] = bottom * W + left;
-  c.pix[3] = bottom * W + right;
+  c.pix[0] = index(top, left);
+  c.pix[1] = index(top, right);
+  c.pix[2] = index(bottom, left);
+  c.pix[3] = index(bottom, right);
 #pragma unroll
   for (int k = 0; k < 4; ++k) c.w[k] = b.corner_ok(k, H, W) ? w * b.weight(k) : A(0);
-  if (!b.inside) c.pix[0] = -1;
+  if (!b.inside) c.pix[0] = kNoSample;
   return c;
+}
+
+template <typename A>
+__device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W) {
+  return resolve_sample(x, y, w, H, W, [W](int row, int col) { return row * W + col; });
 }
 
 // acc += sum_k c.w[k] * value(c.pix[k]) over VEC channels. fetch(pixel, v)
@@ -143,31 +153,69 @@ __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i,
   w = A(to_acc(attn[i]));
 }
 
+// Where the `lanes` threads of a group (aligned inside a warp) stand: the
+// group's lane mask and the CornerSlots they hand samples through.
+struct GroupLanes {
+  int lane, lanes, groups, slot0;
+  unsigned mask;
+};
+
+__device__ __forceinline__ GroupLanes group_lanes(int lane, int lanes) {
+  const unsigned first = threadIdx.x - lane;  // the group's first thread
+  GroupLanes g;
+  g.lane = lane;
+  g.lanes = lanes;
+  g.mask = (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (first & 31u);
+  g.groups = 32 / lanes;
+  g.slot0 = static_cast<int>(threadIdx.x & ~31u) + static_cast<int>(first & 31u) / lanes;
+  return g;
+}
+
+// The P points of level l of one (query, head) row, added into acc (this
+// lane's channel slice; `active` false for lanes past D, which still resolve
+// points). Lane j resolves point p0 + j with resolve(x, y, w) into its slot
+// of `slots` (shared memory, see CornerSlots), and the group then gathers
+// those points one after the other, reading each point's corners from its
+// slot (a broadcast) and its values through fetch(pix, v). So the set-up runs
+// once a sample instead of once per lane, and the gather loop has no shuffles
+// (whose convergence checks cost more than they save; benchmarks/NOTES.md).
+template <typename LT, typename A, int VEC, typename Resolve, typename Fetch>
+__device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, const LT* loc,
+                                             const LT* attn, bool active, CornerSlots<A> slots,
+                                             A (&acc)[VEC], Resolve&& resolve, Fetch&& fetch) {
+  for (int p0 = 0; p0 < P; p0 += g.lanes) {
+    if (p0 + g.lane < P) {
+      A x, y, w;
+      load_point(loc, attn, l * P + p0 + g.lane, x, y, w);
+      slots.put(g.slot0 + g.lane * g.groups, resolve(x, y, w));
+    }
+    __syncwarp(g.mask);
+    const int count = min(g.lanes, P - p0);
+    if (active) {
+      for (int i = 0; i < count; ++i) {
+        const Corners<A> s = slots.get(g.slot0 + i * g.groups);
+        if (s.pix[0] != kNoSample) gather_corners(acc, s, fetch);
+      }
+    }
+    __syncwarp(g.mask);  // slots are rewritten by the next points
+  }
+}
+
 // One (query, head) row of the output: the sum over levels and points, over
-// this lane's channel slices. The `lanes` threads of a group (aligned inside
-// a warp; all of them call this) split the per-sample set-up (location and
-// weight loads, bilinear weights, corner indices): lane j resolves point
-// p0 + j of a level into its slot of `slots` (shared memory, see CornerSlots),
-// and the group then gathers those points one after the other, reading each
-// point's corners from its slot (a broadcast). So the set-up runs once a
-// sample instead of once per lane, and the gather loop has no shuffles (whose
-// convergence checks cost more than they save; benchmarks/NOTES.md).
-// with_fetch(l, c, body) calls body(fetch) with the fetch for level l at
-// channel offset c (global memory, shared memory...), which is where the
-// backends differ.
+// this lane's channel slices (gather_level for each level). All `lanes`
+// threads of the group call it. with_fetch(l, c, body) calls body(fetch) with
+// the fetch for level l at channel offset c (global memory, shared memory...),
+// which is where the backends differ.
 template <typename T, typename LT, int VEC, typename WithFetch>
 __device__ __forceinline__ void forward_row(const Problem& pb, const Level* levels, const LT* loc,
                                             const LT* attn, T* out, int lane, int lanes,
                                             CornerSlots<acc_t<T>> slots, WithFetch&& with_fetch) {
   using A = acc_t<T>;
-  const unsigned first = threadIdx.x - lane;  // the group's first thread
-  const unsigned mask = (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (first & 31u);
-  const int groups = 32 / lanes;
-  const int slot0 = static_cast<int>(threadIdx.x & ~31u) + static_cast<int>(first & 31u) / lanes;
+  const GroupLanes g = group_lanes(lane, lanes);
   const int64_t step = int64_t(lanes) * VEC;
   for (int64_t c0 = 0; c0 < pb.D; c0 += step) {
     const int64_t c = c0 + int64_t(lane) * VEC;
-    const bool active = c < pb.D;  // lanes past D resolve points but gather nothing
+    const bool active = c < pb.D;
     A acc[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[e] = A(0);
@@ -175,22 +223,8 @@ __device__ __forceinline__ void forward_row(const Problem& pb, const Level* leve
       const Level lv = levels[l];
       if (lv.H == 0) continue;  // level rejected by load_levels
       with_fetch(l, active ? c : 0, [&](auto&& fetch) {
-        for (int p0 = 0; p0 < pb.P; p0 += lanes) {
-          if (p0 + lane < pb.P) {
-            A x, y, w;
-            load_point(loc, attn, l * pb.P + p0 + lane, x, y, w);
-            slots.put(slot0 + lane * groups, resolve_sample(x, y, w, lv.H, lv.W));
-          }
-          __syncwarp(mask);
-          const int count = min(lanes, pb.P - p0);
-          if (active) {
-            for (int i = 0; i < count; ++i) {
-              const Corners<A> s = slots.get(slot0 + i * groups);
-              if (s.pix[0] >= 0) gather_corners(acc, s, fetch);
-            }
-          }
-          __syncwarp(mask);  // slots are rewritten by the next points
-        }
+        gather_level(g, pb.P, l, loc, attn, active, slots, acc,
+                     [&](A x, A y, A w) { return resolve_sample(x, y, w, lv.H, lv.W); }, fetch);
       });
     }
     if (active) store_vec<T, VEC>(out + c, acc);

@@ -14,6 +14,9 @@ cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream);
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream);
 int64_t persistent_workspace_bytes(const Problem& pb);  // its zeroed tile counters
 cudaError_t cluster_forward(const ForwardParams& p, cudaStream_t stream);  // sm_90+
+// sm_90+; needs p.host_shapes, 16-bit or fp32 values, D * element size a
+// multiple of 16 bytes and at most 512, value 16-byte aligned.
+cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream);
 
 // Backward shared by every forward backend. grad_value_acc must be zeroed;
 // with grad_value_acc null it leaves grad_value out and (cell_keys set) writes

@@ -45,10 +45,38 @@ std::string needs_clusters(const cudaDeviceProp& pr) {
   return os.str();
 }
 
+std::string needs_tma(const cudaDeviceProp& pr) {
+  if (pr.major >= 9) return "";
+  std::ostringstream os;
+  os << "needs the Tensor Memory Accelerator (compute capability 9.0 or later), device has "
+     << pr.major << "." << pr.minor;
+  return os.str();
+}
+
+int64_t elem_size(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
+
+std::string tma_problem(const Problem& pb, const cudaDeviceProp&) {
+  std::ostringstream os;
+  const int64_t row = pb.D * elem_size(pb.value_dtype);
+  if (!pb.host_shapes) {
+    os << "needs the level shapes on the host to build its copy descriptors without a device "
+          "sync: pass spatial_shapes_list=[(H, W), ...] (transformers' value_spatial_shapes_list)";
+  } else if (pb.value_dtype == DType::f64) {
+    os << "supports float32, float16 and bfloat16 values, got float64";
+  } else if (row % 16 != 0 || row > 512) {
+    os << "needs D * element size to be a multiple of 16 bytes and at most 512, got D = " << pb.D
+       << " (" << row << " bytes)";
+  }
+  return os.str();
+}
+
 // The auto-selection table: in preference order, the first backend whose
 // predicates pass and whose auto_ok holds is chosen. benchmarks/ measures every
 // backend on the canonical workloads (`auto:` lines check this choice).
 const CudaBackend kBackends[] = {
+    // Needs host-side level shapes (spatial_shapes_list); not yet measured
+    // faster than baseline anywhere (benchmarks/NOTES.md): explicit requests only.
+    {"tma", needs_tma, tma_problem, never, no_workspace, &cuda::tma_forward},
     // Correct, but bound by distributed shared memory: 2.0 TB/s over the
     // chip (benchmarks/dsmem.py, H200) for ~7/8 of every sample's corner
     // reads; 4.4x slower than baseline on ddetr_enc bf16 (benchmarks/NOTES.md).
@@ -96,32 +124,49 @@ std::string select(const Problem& pb, int device) {
   TORCH_CHECK(false, "ms_deform_attn: no CUDA backend can run these inputs");
 }
 
-const CudaBackend& find_runnable(const std::string& name, const Problem& pb, int device) {
+const CudaBackend* find(const std::string& name) {
   for (const auto& b : kBackends) {
-    if (name != b.name) continue;
-    const auto& pr = props(device);
-    std::string why = b.device_reason(pr);
-    if (why.empty()) why = b.problem_reason(pb, pr);
-    TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
-    return b;
+    if (name == b.name) return &b;
   }
-  TORCH_CHECK(false, "ms_deform_attn: unknown backend '", name, "'; expected 'auto' or one of ",
-              known_names());
+  return nullptr;
+}
+
+std::string unknown(const std::string& name) {
+  return "unknown backend '" + name + "'; expected 'auto' or one of " + known_names();
+}
+
+std::string reason(const std::string& name, const Problem& pb, int device) {
+  const CudaBackend* b = find(name);
+  if (b == nullptr) return unknown(name);
+  const auto& pr = props(resolve_device(device));
+  std::string why = b->device_reason(pr);
+  return why.empty() ? b->problem_reason(pb, pr) : why;
+}
+
+const CudaBackend& find_runnable(const std::string& name, const Problem& pb, int device) {
+  const CudaBackend* b = find(name);
+  TORCH_CHECK(b != nullptr, "ms_deform_attn: ", unknown(name));
+  const std::string why = reason(name, pb, device);
+  TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
+  return *b;
 }
 
 // ---- operator ------------------------------------------------------------------
-// Locations are read as (x, y) pairs with one vector load: keep them aligned.
-at::Tensor aligned_pairs(at::Tensor t) {
-  const auto align = 2 * t.element_size();
+// t, or a copy of it whose data is aligned to `align` bytes.
+at::Tensor aligned(at::Tensor t, int64_t align) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % align == 0 ? t : t.clone();
 }
+
+// Locations are read as (x, y) pairs with one vector load: keep them aligned.
+at::Tensor aligned_pairs(at::Tensor t) { return aligned(t, 2 * t.element_size()); }
 
 at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
                         const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                         const at::Tensor& attention_weights, c10::string_view backend,
-                        std::optional<bool> /*deterministic: the forward always is*/) {
+                        std::optional<bool> /*deterministic: the forward always is*/,
+                        at::OptionalIntArrayRef spatial_shapes_list) {
   Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
-                               attention_weights);
+                               attention_weights, spatial_shapes_list);
   const c10::cuda::CUDAGuard guard(value.device());
   const int device = value.device().index();
   const auto& pb = in.pb;
@@ -131,6 +176,7 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
   if (out.numel() == 0) return out;
   in.loc = aligned_pairs(in.loc);
+  if (name == "tma") in.value = aligned(in.value, 16);  // the copy engine's global alignment
   ForwardParams p;
   set_inputs(p, in);
   p.out = out.data_ptr();
@@ -245,6 +291,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
 const bool kHooksInstalled = [] {
   cuda_hooks().available = &available;
   cuda_hooks().select = &select;
+  cuda_hooks().reason = &reason;
   return true;
 }();
 

@@ -1,0 +1,116 @@
+// Host side of the `tma` backend: box sizes and tensor-map descriptors.
+#include "tma_maps.h"
+
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace msda::cuda {
+namespace {
+
+// cuTensorMapEncodeTiled from the driver the runtime already loaded: no -lcuda.
+PFN_cuTensorMapEncodeTiled_v12000 encoder(cudaError_t& err) {
+  static cudaError_t status = cudaSuccess;
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    status = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                              cudaEnableDefault, &found);
+    if (status == cudaSuccess && (found != cudaDriverEntryPointSuccess || ptr == nullptr)) {
+      status = cudaErrorSymbolNotFound;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  err = status;
+  return fn;
+}
+
+CUtensorMapDataType map_dtype(DType t) {
+  switch (t) {
+    case DType::f16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    case DType::bf16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    case DType::f64: return CU_TENSOR_MAP_DATA_TYPE_FLOAT64;
+    default: return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  }
+}
+
+int64_t elem_bytes(DType t) {
+  return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2;
+}
+
+// Box of a level: up to kRows rows (an encoder's tile of consecutive queries
+// is a segment of one or two image rows, and its samples spread some pixels
+// around it, most along x), as wide as the buffer then allows, then as high;
+// each side at most 256 (the copy engine's limit) and at most the level's.
+constexpr int64_t kRows = 16;
+
+void pick_box(int64_t H, int64_t W, int64_t pixels, int& bw, int& bh) {
+  if (pixels <= 0) {
+    bw = bh = 0;
+    return;
+  }
+  const int64_t rows = std::min({H, kRows, int64_t(256)});
+  const int64_t w = std::min({W, int64_t(256), std::max<int64_t>(1, pixels / rows)});
+  const int64_t h = std::min({H, int64_t(256), std::max<int64_t>(1, pixels / w)});
+  bw = static_cast<int>(w);
+  bh = static_cast<int>(h);
+}
+
+}  // namespace
+
+cudaError_t make_tma_levels(const ForwardParams& p, int64_t buf_bytes, TmaLevels& out) {
+  const Problem& pb = p.pb;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  std::vector<int64_t> key = {device, int64_t(reinterpret_cast<uintptr_t>(p.value)),
+                              int64_t(pb.value_dtype), pb.N, pb.S, pb.M, pb.D, pb.L, buf_bytes};
+  key.insert(key.end(), p.host_shapes, p.host_shapes + 2 * pb.L);
+  static std::mutex mu;
+  static std::map<std::vector<int64_t>, TmaLevels> cache;
+  const std::lock_guard<std::mutex> lock(mu);
+  if (auto it = cache.find(key); it != cache.end()) {
+    out = it->second;
+    return cudaSuccess;
+  }
+  auto encode = encoder(err);
+  if (err != cudaSuccess) return err;
+
+  const int64_t e = elem_bytes(pb.value_dtype);
+  const int64_t px_bytes = pb.D * e;
+  TmaLevels t = {};
+  int64_t start = 0;
+  for (int l = 0; l < pb.L; ++l) {
+    const int64_t H = p.host_shapes[2 * l], W = p.host_shapes[2 * l + 1];
+    t.H[l] = static_cast<int>(H);
+    t.W[l] = static_cast<int>(W);
+    t.start[l] = start;
+    pick_box(H, W, buf_bytes / px_bytes, t.box_w[l], t.box_h[l]);
+    if (t.box_w[l] > 0) {
+      const cuuint64_t dims[5] = {cuuint64_t(pb.D), cuuint64_t(pb.M), cuuint64_t(W), cuuint64_t(H),
+                                  cuuint64_t(pb.N)};
+      const cuuint64_t strides[4] = {cuuint64_t(px_bytes), cuuint64_t(pb.M * px_bytes),
+                                     cuuint64_t(W * pb.M * px_bytes),
+                                     cuuint64_t(pb.S * pb.M * px_bytes)};
+      const cuuint32_t box[5] = {cuuint32_t(pb.D), 1, cuuint32_t(t.box_w[l]),
+                                 cuuint32_t(t.box_h[l]), 1};
+      const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+      void* base = static_cast<char*>(const_cast<void*>(p.value)) + start * pb.M * px_bytes;
+      const CUresult r = encode(&t.map[l], map_dtype(pb.value_dtype), 5, base, dims, strides, box,
+                                unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;
+    }
+    start += H * W;
+  }
+  if (cache.size() >= 64) cache.clear();  // bounded: a training run reuses a few buffers
+  cache.emplace(std::move(key), t);
+  out = t;
+  return cudaSuccess;
+}
+
+}  // namespace msda::cuda
