@@ -47,8 +47,8 @@ def encoder_inputs(dtype, scale=4, seed=0, wide=1.0):
     stretches the offsets so that footprints leave the boxes."""
     wl = workloads.get(f"ddetr_enc/{scale}")
     inputs = workloads.make_inputs(wl, dtype, torch.float32, device="cuda", seed=seed)
-    ref = workloads.encoder_reference_points(wl.levels, "cuda")[None, :, None, :, None, :]
-    inputs[3] = ref + (inputs[3] - ref) * wide
+    ref = workloads.encoder_reference_points(wl.levels, "cuda")[None, :, None, None, None, :]
+    inputs[3] = (ref + (inputs[3].double() - ref) * wide).float()
     return wl, inputs
 
 
