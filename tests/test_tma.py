@@ -70,7 +70,8 @@ def test_level_edges_and_far_outside(monkeypatch, dtype):
     """Locations on and just past every level edge, and far outside (some
     queries' footprints miss the map entirely), with small boxes that the
     clamp pins to the level edges."""
-    inputs = make_inputs(2, 300, 4, 32, SHAPES, 4, dtype, torch.float32, device="cuda", seed=3)
+    inputs = list(make_inputs(2, 300, 4, 32, SHAPES, 4, dtype, torch.float32, device="cuda",
+                              seed=3))
     loc = inputs[3]
     g = torch.Generator(device="cuda").manual_seed(4)
     edges = torch.tensor([0.0, 1.0, -0.02, 1.02, -3.0, 7.0, 0.001, 0.999], device="cuda")

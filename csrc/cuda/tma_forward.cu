@@ -23,6 +23,7 @@ namespace msda::cuda {
 namespace {
 
 constexpr int kTmaThreads = 256;
+constexpr int64_t kDefaultBuffers = 16 * 1024;  // both staging buffers together
 
 struct TmaParams {
   ForwardParams p;
@@ -247,11 +248,12 @@ struct Launch {
       if (p.host_shapes == nullptr || pb.D % VEC != 0 || pb.D > 32 * VEC) return cudaErrorInvalidValue;
       auto kernel = tma_forward_kernel<T, LT, VEC>;
       // Dynamic shared memory: 128 bytes of alignment slack, the CornerSlots,
-      // then the two buffers (by default 32 KB each; MS_DEFORM_ATTN_SMEM_BUDGET
-      // sets both together).
+      // then the two buffers (8 KB each by default: of the budgets measured,
+      // 0-64 KB, none made staging pay, and the small ones cost least,
+      // benchmarks/NOTES.md; MS_DEFORM_ATTN_SMEM_BUDGET sets both together).
       SmemPlan plan;
       cudaError_t err = plan_smem(kernel, 128 + CornerSlots<acc_t<T>>::kBytesPerThread * kTmaThreads,
-                                  p.smem_budget, 64 * 1024, plan);
+                                  p.smem_budget, kDefaultBuffers, plan);
       if (err != cudaSuccess) return err;
       TmaParams tp;
       tp.p = p;
