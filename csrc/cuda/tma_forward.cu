@@ -1,20 +1,23 @@
 // `tma` forward (sm_90+): value tiles staged in shared memory by the Tensor
 // Memory Accelerator (cp.async.bulk.tensor completing on an mbarrier).
 //
-// - Grid: one block per (batch n, head m, tile of consecutive queries); a
-//   query is served by `lanes` threads as in the baseline (64 queries a block
-//   for D = 32 in 16 bits, 32 in fp32).
-// - Footprint: the block first reads its tile's locations and, per level,
-//   the mean position of the samples that touch the map. The level's box
-//   (its size fixed per level by the descriptor, tma_maps.cpp) is centred
-//   there and clamped into the level.
-// - Pipeline over levels, two buffers: thread 0 issues the copies of levels
-//   0 and 1; the block gathers level l from buffer l % 2 once its mbarrier
-//   completes, then (after a barrier) the copy of level l + 2 goes into the
-//   same buffer, so each copy overlaps the gather of the level before it.
-// - Gather: the shared forward code; a corner inside the staged box reads
-//   shared memory, any other corner global memory. Levels the descriptors
-//   cannot serve (no host shapes match, empty box) read global memory only.
+// - Work: items of (batch n, head m, tile of queries). A query is served by
+//   `lanes` threads as in the baseline (128 queries a 512-thread block for
+//   D = 32 in 16 bits, 64 in fp32). When the queries are the pixels of the
+//   levels (Lq == S, encoders) a tile is a 2-d patch of one level's pixels
+//   (16 x 8 for 128 queries), whose samples fall close together on every
+//   level; otherwise it is a run of consecutive queries.
+// - Boxes: per level a box of the patch plus a margin (tma_maps.cpp), placed
+//   on the mean position of the tile's samples on that level and clamped
+//   into the level. Corners inside a box read shared memory, all others
+//   global memory, through the shared gather code.
+// - Pipeline: a persistent grid (blocks resident at once) walks the items;
+//   two stages each hold one item's boxes of every level. While the block
+//   gathers item k from one stage, the copies of item k + 1 fill the other:
+//   per item, one pass over the next item's locations (its footprint), one
+//   barrier, and thread 0 issues the copies.
+// - Levels the descriptors cannot serve (host shapes that disagree with the
+//   device tensors, no box) read global memory only.
 #include "forward_common.cuh"
 #include "launch.h"
 #include "tma_maps.h"
@@ -22,15 +25,18 @@
 namespace msda::cuda {
 namespace {
 
-constexpr int kTmaThreads = 256;
-constexpr int64_t kDefaultBuffers = 16 * 1024;  // both staging buffers together
+constexpr int kTmaThreads = 512;
 
 struct TmaParams {
   ForwardParams p;
   TmaLevels lv;
   int lanes;
-  int64_t tiles;      // query tiles per (n, m)
-  int64_t buf_bytes;  // one staging buffer (a multiple of 128)
+  int tile_w, tile_h;              // 2-d patches (patches == true) of tile_w * tile_h queries
+  bool patches;
+  int64_t tile_start[kMaxLevels + 1];  // patches: first tile of each query level
+  int tiles_x[kMaxLevels];         // patches: tiles along x on each level
+  int64_t tiles;                   // tiles per (n, m)
+  int64_t items;                   // N * M * tiles
 };
 
 // ---- PTX: mbarrier and bulk tensor copy -------------------------------------
@@ -84,59 +90,46 @@ __device__ __forceinline__ void tma_load_5d(void* dst, const CUtensorMap* map, u
 }
 
 // ---- kernel ------------------------------------------------------------------
-template <typename T, typename LT, int VEC>
-__global__ void __launch_bounds__(kTmaThreads)
-    tma_forward_kernel(const __grid_constant__ TmaParams tp) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // never launched there: the backend's predicate needs sm_90
-#else
-  using A = acc_t<T>;
-  const ForwardParams& p = tp.p;
-  const Problem& pb = p.pb;
-  // Dynamic shared memory: two staging buffers (128-byte aligned, as the copy
-  // engine wants), then the CornerSlots.
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* bufs = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);
-  const CornerSlots<A> slots(bufs + 2 * tp.buf_bytes, kTmaThreads);
-  __shared__ Level levels[kMaxLevels];
-  __shared__ int box_x[kMaxLevels], box_y[kMaxLevels];
-  __shared__ bool staged[kMaxLevels];
-  __shared__ float sums[3][kMaxLevels];  // per level: sum of x * W, of y * H, count
-  __shared__ __align__(8) uint64_t bars[2];
-  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
-  for (int i = threadIdx.x; i < 3 * kMaxLevels; i += kTmaThreads) sums[i / kMaxLevels][i % kMaxLevels] = 0.f;
-  if (threadIdx.x == 0) {
-    mbar_init(&bars[0], 1);
-    mbar_init(&bars[1], 1);
-    mbar_fence_init();
+// Where a thread's query of item `item` is: its (n, m, q), or q = -1.
+struct QueryOf {
+  int64_t n, m, q;
+};
+
+__device__ __forceinline__ QueryOf query_of(const TmaParams& tp, int64_t item, int qi) {
+  const Problem& pb = tp.p.pb;
+  const int64_t nm = item / tp.tiles, t = item % tp.tiles;
+  QueryOf r{nm / pb.M, nm % pb.M, -1};
+  if (!tp.patches) {
+    const int64_t q = t * (kTmaThreads / tp.lanes) + qi;
+    r.q = q < pb.Lq ? q : -1;
+    return r;
   }
-  __syncthreads();
+  int l = 0;
+  while (l + 1 < pb.L && t >= tp.tile_start[l + 1]) ++l;
+  const int64_t k = t - tp.tile_start[l];
+  const int64_t y = (k / tp.tiles_x[l]) * tp.tile_h + qi / tp.tile_w;
+  const int64_t x = (k % tp.tiles_x[l]) * tp.tile_w + qi % tp.tile_w;
+  if (y < tp.lv.H[l] && x < tp.lv.W[l]) r.q = tp.lv.start[l] + y * tp.lv.W[l] + x;
+  return r;
+}
 
-  const int lanes = tp.lanes;
-  const int64_t nm = blockIdx.x / tp.tiles;
-  const int64_t n = nm / pb.M, m = nm % pb.M;
-  const int64_t q = (blockIdx.x % tp.tiles) * (kTmaThreads / lanes) + threadIdx.x / lanes;
-  const int lane = static_cast<int>(threadIdx.x % lanes);
-  const bool valid = q < pb.Lq;  // whole groups: the group's lanes agree
-  const int64_t group = (n * pb.Lq + (valid ? q : 0)) * pb.M + m;
-  const int64_t LP = int64_t(pb.L) * pb.P;
-  const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
-  const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
-
-  // Footprint: per level, the mean position (in pixels) of the tile's
-  // samples whose 2x2 footprint touches the map.
+// Per level: sum of x * W, of y * H, and the count of the item's samples
+// whose 2x2 footprint touches the map (all threads call it).
+template <typename LT>
+__device__ __forceinline__ void footprint(const Problem& pb, const Level* levels, const LT* loc,
+                                          bool valid, int lane, int lanes, float (*sums)[kMaxLevels]) {
   for (int l = 0; l < pb.L; ++l) {
     const Level lv = levels[l];
-    A sx = 0, sy = 0, cnt = 0;
+    float sx = 0.f, sy = 0.f, cnt = 0.f;
     if (valid && lv.H > 0) {
       for (int i = lane; i < pb.P; i += lanes) {
-        A xy[2];
+        float xy[2];
         load_xy(loc + 2 * (int64_t(l) * pb.P + i), xy);
-        const A x = xy[0] * A(lv.W), y = xy[1] * A(lv.H);
-        if (x >= A(-0.5) && y >= A(-0.5) && x < A(lv.W) + A(0.5) && y < A(lv.H) + A(0.5)) {
+        const float x = xy[0] * float(lv.W), y = xy[1] * float(lv.H);
+        if (x >= -0.5f && y >= -0.5f && x < float(lv.W) + 0.5f && y < float(lv.H) + 0.5f) {
           sx += x;
           sy += y;
-          cnt += A(1);
+          cnt += 1.f;
         }
       }
     }
@@ -145,76 +138,149 @@ __global__ void __launch_bounds__(kTmaThreads)
       sy += __shfl_xor_sync(0xffffffffu, sy, o);
       cnt += __shfl_xor_sync(0xffffffffu, cnt, o);
     }
-    if ((threadIdx.x & 31u) == 0 && cnt > A(0)) {
+    if ((threadIdx.x & 31u) == 0 && cnt > 0.f) {
       atomicAdd(&sums[0][l], sx);
       atomicAdd(&sums[1][l], sy);
       atomicAdd(&sums[2][l], cnt);
     }
   }
-  __syncthreads();
+}
 
-  const int64_t px_bytes = pb.D * static_cast<int64_t>(sizeof(T));
-  // Thread 0: level l's copy into buffer `buf`, or (not staged) an arrival
-  // that completes the buffer's phase at once.
-  auto issue = [&](int l, int buf) {
-    const unsigned bytes =
-        staged[l] ? static_cast<unsigned>(tp.lv.box_w[l] * tp.lv.box_h[l] * px_bytes) : 0u;
-    mbar_arrive_expect_tx(&bars[buf], bytes);
-    if (staged[l]) {
-      tma_load_5d(bufs + buf * tp.buf_bytes, &tp.lv.map[l], &bars[buf], 0, static_cast<int>(m),
-                  box_x[l], box_y[l], static_cast<int>(n));
-    }
-  };
+// Stage bookkeeping in shared memory.
+struct StageBoxes {
+  float sums[3][kMaxLevels];  // footprint() of the item staged here
+  int x[kMaxLevels], y[kMaxLevels];
+  bool staged[kMaxLevels];
+};
+
+template <typename T, typename LT, int VEC>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    tma_forward_kernel(const __grid_constant__ TmaParams tp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // never launched there: the backend's predicate needs sm_90
+#else
+  using A = acc_t<T>;
+  const ForwardParams& p = tp.p;
+  const Problem& pb = p.pb;
+  const TmaLevels& lvs = tp.lv;
+  // Dynamic shared memory: two stages (128-byte aligned, as the copy engine
+  // wants), then the CornerSlots.
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  unsigned char* stages = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);
+  const CornerSlots<A> slots(stages + 2 * lvs.stage_bytes, kTmaThreads);
+  __shared__ Level levels[kMaxLevels];
+  __shared__ StageBoxes boxes[2];
+  __shared__ __align__(8) uint64_t bars[2];
+  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
+  for (int i = threadIdx.x; i < 2 * 3 * kMaxLevels; i += kTmaThreads) {
+    boxes[i / (3 * kMaxLevels)].sums[(i / kMaxLevels) % 3][i % kMaxLevels] = 0.f;
+  }
   if (threadIdx.x == 0) {
-    for (int l = 0; l < pb.L; ++l) {
-      const Level lv = levels[l];
-      const int bw = tp.lv.box_w[l], bh = tp.lv.box_h[l];
-      // The descriptors were made from the host's shapes: a level where the
-      // device tensors say otherwise reads global memory only.
-      const bool ok = lv.H > 0 && bw > 0 && sums[2][l] > 0.f && lv.H == tp.lv.H[l] &&
-                      lv.W == tp.lv.W[l] && lv.start == tp.lv.start[l];
-      staged[l] = ok;
-      if (ok) {
-        const float cx = sums[0][l] / sums[2][l], cy = sums[1][l] / sums[2][l];
-        box_x[l] = min(max(static_cast<int>(floorf(cx - 0.5f * bw)), 0), lv.W - bw);
-        box_y[l] = min(max(static_cast<int>(floorf(cy - 0.5f * bh)), 0), lv.H - bh);
-      }
-    }
-    for (int l = 0; l < min(pb.L, 2); ++l) issue(l, l);
+    mbar_init(&bars[0], 1);
+    mbar_init(&bars[1], 1);
+    mbar_fence_init();
   }
   __syncthreads();
 
+  const int lanes = tp.lanes;
+  const int qi = threadIdx.x / lanes;
+  const int lane = static_cast<int>(threadIdx.x % lanes);
+  const int64_t LP = int64_t(pb.L) * pb.P;
+  const int64_t px_bytes = pb.D * static_cast<int64_t>(sizeof(T));
+  auto loc_of = [&](const QueryOf& w) {
+    return static_cast<const LT*>(p.loc) + ((w.n * pb.Lq + max(w.q, int64_t(0))) * pb.M + w.m) * LP * 2;
+  };
+
+  // Thread 0: places item `item`'s boxes from its footprint sums and issues
+  // their copies into stage s (an arrival that completes the stage's phase
+  // at once when nothing is staged), then clears the sums for reuse.
+  auto issue = [&](int64_t item, int s) {
+    StageBoxes& b = boxes[s];
+    const int64_t nm = item / tp.tiles;
+    const int n = static_cast<int>(nm / pb.M), m = static_cast<int>(nm % pb.M);
+    unsigned bytes = 0;
+    for (int l = 0; l < pb.L; ++l) {
+      const Level lv = levels[l];
+      const int bw = lvs.box_w[l], bh = lvs.box_h[l];
+      // The descriptors were made from the host's shapes: a level where the
+      // device tensors say otherwise reads global memory only.
+      const bool ok = lv.H > 0 && bw > 0 && b.sums[2][l] > 0.f && lv.H == lvs.H[l] &&
+                      lv.W == lvs.W[l] && lv.start == lvs.start[l];
+      b.staged[l] = ok;
+      if (ok) {
+        const float cx = b.sums[0][l] / b.sums[2][l], cy = b.sums[1][l] / b.sums[2][l];
+        b.x[l] = min(max(static_cast<int>(floorf(cx - 0.5f * bw)), 0), lv.W - bw);
+        b.y[l] = min(max(static_cast<int>(floorf(cy - 0.5f * bh)), 0), lv.H - bh);
+        bytes += static_cast<unsigned>(bw * bh * px_bytes);
+      }
+      b.sums[0][l] = b.sums[1][l] = b.sums[2][l] = 0.f;
+    }
+    fence_proxy_async();  // the stage's previous item was read through the generic proxy
+    mbar_arrive_expect_tx(&bars[s], bytes);
+    for (int l = 0; l < pb.L; ++l) {
+      if (b.staged[l]) {
+        tma_load_5d(stages + s * lvs.stage_bytes + lvs.off[l], &lvs.map[l], &bars[s], 0, m, b.x[l],
+                    b.y[l], n);
+      }
+    }
+  };
+
   const GroupLanes g = group_lanes(lane, lanes);
   const int64_t c = int64_t(lane) * VEC;  // one pass covers D (the predicate's D * size <= 512)
-  const bool active = valid && c < pb.D;
-  const int64_t cc = active ? c : 0;
-  A acc[VEC];
-#pragma unroll
-  for (int e = 0; e < VEC; ++e) acc[e] = A(0);
   const int64_t row_stride = pb.M * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
-  const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D + cc;
   const unsigned D = static_cast<unsigned>(pb.D);
-  for (int l = 0; l < pb.L; ++l) {
-    const int buf = l & 1;
-    mbar_wait(&bars[buf], (l >> 1) & 1);
-    const Level lv = levels[l];
-    if (valid && lv.H > 0) {
+
+  int64_t item = blockIdx.x;
+  if (item < tp.items) {
+    const QueryOf w = query_of(tp, item, qi);
+    footprint(pb, levels, loc_of(w), w.q >= 0, lane, lanes, boxes[0].sums);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && item < tp.items) issue(item, 0);
+  for (int k = 0; item < tp.items; ++k, item += gridDim.x) {
+    const int s = k & 1;
+    const int64_t next = item + gridDim.x;
+    if (next < tp.items) {
+      const QueryOf w = query_of(tp, next, qi);
+      footprint(pb, levels, loc_of(w), w.q >= 0, lane, lanes, boxes[s ^ 1].sums);
+    }
+    // The next item's sums are complete, and every thread is done with stage
+    // s ^ 1 (item k - 1): its copies may start.
+    __syncthreads();
+    if (threadIdx.x == 0 && next < tp.items) issue(next, s ^ 1);
+    mbar_wait(&bars[s], (k >> 1) & 1);
+
+    const QueryOf w = query_of(tp, item, qi);
+    const bool valid = w.q >= 0;  // whole groups: the group's lanes agree
+    if (!valid) continue;
+    const bool active = c < pb.D;
+    const int64_t cc = active ? c : 0;
+    const int64_t group = (w.n * pb.Lq + w.q) * pb.M + w.m;
+    const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
+    const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
+    const T* vbase = static_cast<const T*>(p.value) + value_row(w.n, 0, w.m, pb.S, pb.M) * pb.D + cc;
+    const StageBoxes& b = boxes[s];
+    A acc[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] = A(0);
+    for (int l = 0; l < pb.L; ++l) {
+      const Level lv = levels[l];
+      if (lv.H == 0) continue;  // level rejected by load_levels
       const T* gl = vbase + lv.start * row_stride;
       auto global = [&](int pix, A(&v)[VEC]) { load_vec<T, VEC>(pixel_ptr(gl, pix, stride_bytes), v); };
-      if (staged[l]) {
+      if (b.staged[l]) {
         // Corners inside the box are numbered -2 - (box-relative pixel).
-        const T* sl = reinterpret_cast<const T*>(bufs + buf * tp.buf_bytes) + cc;
-        const int bx = box_x[l], by = box_y[l];
-        const unsigned bw = tp.lv.box_w[l], bh = tp.lv.box_h[l];
-        const int W = lv.W;
+        const T* sl = reinterpret_cast<const T*>(stages + s * lvs.stage_bytes + lvs.off[l]) + cc;
+        const int bx = b.x[l], by = b.y[l], W = lv.W;
+        const unsigned bw = lvs.box_w[l], bh = lvs.box_h[l];
         auto index = [&](int row, int col) {
-          const unsigned r = static_cast<unsigned>(row - by), k = static_cast<unsigned>(col - bx);
-          return (r < bh && k < bw) ? -2 - static_cast<int>(r * bw + k) : row * W + col;
+          const unsigned r = static_cast<unsigned>(row - by), k2 = static_cast<unsigned>(col - bx);
+          return (r < bh && k2 < bw) ? -2 - static_cast<int>(r * bw + k2) : row * W + col;
         };
         gather_level(
             g, pb.P, l, loc, attn, active, slots, acc,
-            [&](A x, A y, A w) { return resolve_sample(x, y, w, lv.H, lv.W, index); },
+            [&](A x, A y, A wt) { return resolve_sample(x, y, wt, lv.H, lv.W, index); },
             [&](int pix, A(&v)[VEC]) {
               if (pix < 0) {
                 load_vec_shared<T, VEC>(sl + static_cast<unsigned>(-2 - pix) * D, v);
@@ -225,16 +291,11 @@ __global__ void __launch_bounds__(kTmaThreads)
       } else {
         gather_level(
             g, pb.P, l, loc, attn, active, slots, acc,
-            [&](A x, A y, A w) { return resolve_sample(x, y, w, lv.H, lv.W); }, global);
+            [&](A x, A y, A wt) { return resolve_sample(x, y, wt, lv.H, lv.W); }, global);
       }
     }
-    __syncthreads();  // buffer `buf` is read
-    if (threadIdx.x == 0 && l + 2 < pb.L) {
-      fence_proxy_async();
-      issue(l + 2, buf);
-    }
+    if (active) store_vec<T, VEC>(static_cast<T*>(p.out) + group * pb.D + c, acc);
   }
-  if (active) store_vec<T, VEC>(static_cast<T*>(p.out) + group * pb.D + c, acc);
 #endif
 }
 
@@ -247,25 +308,51 @@ struct Launch {
       const Problem& pb = p.pb;
       if (p.host_shapes == nullptr || pb.D % VEC != 0 || pb.D > 32 * VEC) return cudaErrorInvalidValue;
       auto kernel = tma_forward_kernel<T, LT, VEC>;
-      // Dynamic shared memory: 128 bytes of alignment slack, the CornerSlots,
-      // then the two buffers (8 KB each by default: of the budgets measured,
-      // 0-64 KB, none made staging pay, and the small ones cost least,
-      // benchmarks/NOTES.md; MS_DEFORM_ATTN_SMEM_BUDGET sets both together).
-      SmemPlan plan;
-      cudaError_t err = plan_smem(kernel, 128 + CornerSlots<acc_t<T>>::kBytesPerThread * kTmaThreads,
-                                  p.smem_budget, kDefaultBuffers, plan);
-      if (err != cudaSuccess) return err;
       TmaParams tp;
       tp.p = p;
-      tp.buf_bytes = plan.budget / 2 / 128 * 128;
-      err = make_tma_levels(p, tp.buf_bytes, tp.lv);
-      if (err != cudaSuccess) return err;
       tp.lanes = lanes_for(pb.D, VEC);
-      const int64_t per_tile = kTmaThreads / tp.lanes;
-      tp.tiles = (pb.Lq + per_tile - 1) / per_tile;
-      const int64_t blocks = pb.N * pb.M * tp.tiles;
-      if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-      kernel<<<static_cast<unsigned>(blocks), kTmaThreads, plan.dynamic, stream>>>(tp);
+      // Tile: as square a patch as a power-of-two query count allows (16 x 8
+      // for 128 queries), when the queries are the levels' pixels.
+      const int per_tile = kTmaThreads / tp.lanes;
+      int tw = 1;
+      while (tw * tw < per_tile) tw *= 2;
+      tp.tile_w = tw;
+      tp.tile_h = per_tile / tw;
+      tp.patches = pb.Lq == pb.S;
+      // Dynamic shared memory: 128 bytes of alignment slack, the CornerSlots,
+      // then two stages of boxes, as large as the boxes need (the default) or
+      // MS_DEFORM_ATTN_SMEM_BUDGET allows, within what the device allows.
+      const int64_t fixed = 128 + CornerSlots<acc_t<T>>::kBytesPerThread * kTmaThreads;
+      SmemPlan plan;
+      cudaError_t err = plan_smem(kernel, fixed, p.smem_budget, INT64_MAX, plan);
+      if (err != cudaSuccess) return err;
+      err = make_tma_levels(p, tp.patches ? tp.tile_w : per_tile, tp.patches ? tp.tile_h : 1,
+                            plan.budget / 2, tp.lv);
+      if (err != cudaSuccess) return err;
+      const int64_t dynamic = fixed + 2 * tp.lv.stage_bytes;
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 static_cast<int>(dynamic));
+      if (err != cudaSuccess) return err;
+      if (tp.patches) {
+        tp.tile_start[0] = 0;
+        for (int l = 0; l < pb.L; ++l) {
+          const int64_t tx = (tp.lv.W[l] + tp.tile_w - 1) / tp.tile_w;
+          const int64_t ty = (tp.lv.H[l] + tp.tile_h - 1) / tp.tile_h;
+          tp.tiles_x[l] = static_cast<int>(tx);
+          tp.tile_start[l + 1] = tp.tile_start[l] + tx * ty;
+        }
+        tp.tiles = tp.tile_start[pb.L];
+      } else {
+        tp.tiles = (pb.Lq + per_tile - 1) / per_tile;
+      }
+      tp.items = pb.N * pb.M * tp.tiles;
+      int per_sm = 0;
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTmaThreads,
+                                                          static_cast<size_t>(dynamic));
+      if (err != cudaSuccess) return err;
+      if (per_sm < 1) return cudaErrorInvalidConfiguration;
+      const int64_t blocks = std::min<int64_t>(tp.items, int64_t(per_sm) * plan.sms);
+      kernel<<<static_cast<unsigned>(blocks), kTmaThreads, dynamic, stream>>>(tp);
       return cudaGetLastError();
     }
   }

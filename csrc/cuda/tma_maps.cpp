@@ -41,33 +41,41 @@ int64_t elem_bytes(DType t) {
   return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2;
 }
 
-// Box of a level: up to kRows rows (an encoder's tile of consecutive queries
-// is a segment of one or two image rows, and its samples spread some pixels
-// around it, most along x), as wide as the buffer then allows, then as high;
-// each side at most 256 (the copy engine's limit) and at most the level's.
-constexpr int64_t kRows = 16;
+// Pixels a tile's samples reach beyond the tile on each side: the
+// Deformable DETR initialisation puts point p at p + 1 pixels along its
+// head's direction (up to 4 for P = 4, centred by the box placement to about
+// +-2), plus jitter and the bilinear footprint's second pixel.
+constexpr int64_t kMargin = 4;
 
-void pick_box(int64_t H, int64_t W, int64_t pixels, int& bw, int& bh) {
-  if (pixels <= 0) {
-    bw = bh = 0;
-    return;
+int64_t round128(int64_t x) { return (x + 127) / 128 * 128; }
+
+// Box sides of every level for a tile_w x tile_h tile, scaled by `f` (<= 1).
+int64_t size_boxes(const int64_t* shapes, int L, int64_t px_bytes, int tile_w, int tile_h,
+                   double f, TmaLevels& t) {
+  int64_t total = 0;
+  for (int l = 0; l < L; ++l) {
+    const int64_t H = shapes[2 * l], W = shapes[2 * l + 1];
+    const int64_t w = std::min({W, int64_t(256), int64_t((tile_w + 2 * kMargin) * f)});
+    const int64_t h = std::min({H, int64_t(256), int64_t((tile_h + 2 * kMargin) * f)});
+    t.box_w[l] = w >= 1 && h >= 1 ? static_cast<int>(w) : 0;
+    t.box_h[l] = t.box_w[l] > 0 ? static_cast<int>(h) : 0;
+    t.off[l] = total;
+    total += round128(int64_t(t.box_w[l]) * t.box_h[l] * px_bytes);
   }
-  const int64_t rows = std::min({H, kRows, int64_t(256)});
-  const int64_t w = std::min({W, int64_t(256), std::max<int64_t>(1, pixels / rows)});
-  const int64_t h = std::min({H, int64_t(256), std::max<int64_t>(1, pixels / w)});
-  bw = static_cast<int>(w);
-  bh = static_cast<int>(h);
+  return total;
 }
 
 }  // namespace
 
-cudaError_t make_tma_levels(const ForwardParams& p, int64_t buf_bytes, TmaLevels& out) {
+cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int64_t stage_budget,
+                            TmaLevels& out) {
   const Problem& pb = p.pb;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   std::vector<int64_t> key = {device, int64_t(reinterpret_cast<uintptr_t>(p.value)),
-                              int64_t(pb.value_dtype), pb.N, pb.S, pb.M, pb.D, pb.L, buf_bytes};
+                              int64_t(pb.value_dtype), pb.N, pb.S, pb.M, pb.D, pb.L,
+                              tile_w, tile_h, stage_budget};
   key.insert(key.end(), p.host_shapes, p.host_shapes + 2 * pb.L);
   static std::mutex mu;
   static std::map<std::vector<int64_t>, TmaLevels> cache;
@@ -82,13 +90,19 @@ cudaError_t make_tma_levels(const ForwardParams& p, int64_t buf_bytes, TmaLevels
   const int64_t e = elem_bytes(pb.value_dtype);
   const int64_t px_bytes = pb.D * e;
   TmaLevels t = {};
+  // Full boxes if they fit, else all of them shrunk by the same factor.
+  double f = 1.0;
+  t.stage_bytes = size_boxes(p.host_shapes, pb.L, px_bytes, tile_w, tile_h, f, t);
+  while (t.stage_bytes > stage_budget && f > 0.0) {
+    f = f > 0.05 ? f * 0.9 : 0.0;
+    t.stage_bytes = size_boxes(p.host_shapes, pb.L, px_bytes, tile_w, tile_h, f, t);
+  }
   int64_t start = 0;
   for (int l = 0; l < pb.L; ++l) {
     const int64_t H = p.host_shapes[2 * l], W = p.host_shapes[2 * l + 1];
     t.H[l] = static_cast<int>(H);
     t.W[l] = static_cast<int>(W);
     t.start[l] = start;
-    pick_box(H, W, buf_bytes / px_bytes, t.box_w[l], t.box_h[l]);
     if (t.box_w[l] > 0) {
       const cuuint64_t dims[5] = {cuuint64_t(pb.D), cuuint64_t(pb.M), cuuint64_t(W), cuuint64_t(H),
                                   cuuint64_t(pb.N)};
