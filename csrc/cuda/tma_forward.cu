@@ -168,7 +168,7 @@ struct StageBoxes {
 };
 
 template <typename T, typename LT, int VEC>
-__global__ void __launch_bounds__(kTmaThreads, 1)
+__global__ void __launch_bounds__(kTmaThreads, 2)
     tma_forward_kernel(const __grid_constant__ TmaParams tp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // never launched there: the backend's predicate needs sm_90
