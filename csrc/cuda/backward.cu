@@ -46,14 +46,9 @@ __global__ void __launch_bounds__(kThreads)
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cell_base[kMaxLevels];
-  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
-  __syncthreads();
   const bool keys = p.cell_keys != nullptr;  // uniform: deterministic path
   const bool value_grad = p.grad_value_acc != nullptr;
-  if (keys) {
-    load_cell_bases(cell_base, levels, pb.L);
-    __syncthreads();
-  }
+  load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, keys);
 
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t group = tid / lanes;
@@ -66,8 +61,7 @@ __global__ void __launch_bounds__(kThreads)
   const T* vbase = static_cast<const T*>(p.value) + vrow0;
   A* gvbase = static_cast<A*>(p.grad_value_acc) + vrow0;
   const int64_t LP = int64_t(pb.L) * pb.P;
-  const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
-  const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
+  const auto [loc, attn] = query_row<LT>(p, group);
   const T* gout = static_cast<const T*>(p.grad_out) + group * pb.D;
   LT* gloc = static_cast<LT*>(p.grad_loc) + group * LP * 2;
   LT* gattn = static_cast<LT*>(p.grad_attn) + group * LP;

@@ -84,10 +84,7 @@ __global__ void __launch_bounds__(kThreads)
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cell_base[kMaxLevels];
-  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
-  __syncthreads();
-  load_cell_bases(cell_base, levels, pb.L);
-  __syncthreads();
+  load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
 
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t group = tid / lanes;  // value row (n, s, m)
@@ -193,11 +190,10 @@ cudaError_t sort_pairs(void* temp, size_t& temp_bytes, const DeterministicBuffer
 
 }  // namespace
 
-size_t deterministic_temp_bytes(const DeterministicBuffers& b) {
-  size_t bytes = 0;
-  const cudaError_t err = b.wide ? sort_pairs<uint64_t>(nullptr, bytes, b, nullptr)
-                                 : sort_pairs<unsigned>(nullptr, bytes, b, nullptr);
-  return err == cudaSuccess ? bytes : 0;
+cudaError_t deterministic_temp_bytes(const DeterministicBuffers& b, size_t& bytes) {
+  bytes = 0;
+  return b.wide ? sort_pairs<uint64_t>(nullptr, bytes, b, nullptr)
+                : sort_pairs<unsigned>(nullptr, bytes, b, nullptr);
 }
 
 cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,

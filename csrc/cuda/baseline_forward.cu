@@ -29,9 +29,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int64_t row_stride = pb.M * pb.D;  // elements between neighbouring pixels
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
   const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
-  const int64_t LP = int64_t(pb.L) * pb.P;
-  const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
-  const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
+  const auto [loc, attn] = query_row<LT>(p, group);
   T* out = static_cast<T*>(p.out) + group * pb.D;
 
   forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes,

@@ -135,15 +135,13 @@ __global__ void __launch_bounds__(kCThreads, 1)
   const int warp_q = lane_in_warp / lanes;
   const int q_per_round = 32 / lanes;
   const int64_t warps = int64_t(C) * (kCThreads / 32);
-  const int64_t LP = int64_t(pb.L) * pb.P;
   const unsigned row_bytes = static_cast<unsigned>(pb.D * sizeof(T));
   for (int64_t q0 = (int64_t(rank) * (kCThreads / 32) + warp) * q_per_round; q0 < pb.Lq;
        q0 += warps * q_per_round) {
     const int64_t q = q0 + warp_q;
     if (q >= pb.Lq) continue;  // whole groups: the group's lanes agree
     const int64_t group = (n * pb.Lq + q) * pb.M + m;
-    const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
-    const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
+    const auto [loc, attn] = query_row<LT>(p, group);
     T* out = static_cast<T*>(p.out) + group * pb.D;
     forward_row<T, LT, VEC>(
         pb, levels, loc, attn, out, lane, lanes, slots, [&](int l, int64_t c, auto&& body) {

@@ -146,6 +146,21 @@ __device__ __forceinline__ const T* pixel_ptr(const T* base, int pix, unsigned s
   return reinterpret_cast<const T*>(addr);
 }
 
+// ---- per-query rows ---------------------------------------------------------
+// Locations and weights of one (n, q, m) group (flattened as in sampling.h):
+// L * P points each, for forward and backward params alike.
+template <typename LT>
+struct QueryRow {
+  const LT* loc;
+  const LT* attn;
+};
+
+template <typename LT, typename Params>
+__device__ __forceinline__ QueryRow<LT> query_row(const Params& p, int64_t group) {
+  const int64_t LP = int64_t(p.pb.L) * p.pb.P;
+  return {static_cast<const LT*>(p.loc) + group * LP * 2, static_cast<const LT*>(p.attn) + group * LP};
+}
+
 // ---- level metadata --------------------------------------------------------
 struct Level {
   int H, W;
@@ -180,6 +195,20 @@ __device__ __forceinline__ void load_cell_bases(int64_t* base, const Level* lv, 
       base[l] = acc;
       acc += (int64_t(lv[l].H) + 1) * (int64_t(lv[l].W) + 1);
     }
+  }
+}
+
+// The level table and, when `cells` (uniform over the block), the cell
+// bases: load_levels() and load_cell_bases() with their barriers. Call with
+// every thread of the block.
+__device__ __forceinline__ void load_levels_and_cells(Level* lv, int64_t* base,
+                                                      const int64_t* shapes, const int64_t* starts,
+                                                      int L, int64_t S, bool cells) {
+  load_levels(lv, shapes, starts, L, S);
+  __syncthreads();
+  if (cells) {
+    load_cell_bases(base, lv, L);
+    __syncthreads();
   }
 }
 

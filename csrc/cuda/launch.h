@@ -43,7 +43,8 @@ struct DeterministicBuffers {
   void* grad_value = nullptr;   // (N, S, M, D) in the value's dtype, written completely
   int vec = 1;              // elements per vector access of the gather (16 / sizeof(T) or 1)
 };
-size_t deterministic_temp_bytes(const DeterministicBuffers& b);
+// The sort's scratch size for b, in bytes.
+cudaError_t deterministic_temp_bytes(const DeterministicBuffers& b, size_t& bytes);
 cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,
                                      cudaStream_t stream);
 

@@ -229,7 +229,7 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   b.ids = ids.data_ptr();
   b.sorted_keys = sorted_keys.data_ptr();
   b.sorted_ids = sorted_ids.data_ptr();
-  b.temp_bytes = cuda::deterministic_temp_bytes(b);
+  C10_CUDA_CHECK(cuda::deterministic_temp_bytes(b, b.temp_bytes));
   at::Tensor temp = at::empty({int64_t(std::max<size_t>(b.temp_bytes, 1))},
                               in.value.options().dtype(at::kByte));
   b.temp = temp.data_ptr();

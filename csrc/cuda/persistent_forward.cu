@@ -69,7 +69,6 @@ __global__ void __launch_bounds__(kPThreads, 1)
   const int64_t row_stride = pb.M * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
   const int d32 = static_cast<int>(pb.D);
-  const int64_t LP = int64_t(pb.L) * pb.P;
   const int vecs_per_px = static_cast<int>(pb.D / VEC);  // cache copy: D % VEC == 0
 
   for (int64_t k = 0; k < NM; ++k) {
@@ -104,8 +103,7 @@ __global__ void __launch_bounds__(kPThreads, 1)
         const int64_t q = q0 + r + warp_q;
         if (q >= pb.Lq || r + warp_q >= kWarpQueries) continue;
         const int64_t group = (n * pb.Lq + q) * pb.M + m;
-        const LT* loc = static_cast<const LT*>(p.loc) + group * LP * 2;
-        const LT* attn = static_cast<const LT*>(p.attn) + group * LP;
+        const auto [loc, attn] = query_row<LT>(p, group);
         T* out = static_cast<T*>(p.out) + group * pb.D;
         forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes, slots,
                                 [&](int l, int64_t c, auto&& body) {
