@@ -6,11 +6,19 @@ RT-DETR, Grounding DINO, and the other models with such a layer), so it can
 be put in its place; `swap_msda(model)` does that for a whole model without
 network access, and also routes Mask2Former / OneFormer, which call a
 module-level `multi_scale_deformable_attention` function, to the operator.
+
+With the `kernels` package, `kernel_mapping()` maps transformers' layer name
+"MultiScaleDeformableAttention" to this package's operator for
+`kernels.kernelize` (the layer is served from here: no Hub, no network):
+
+    from kernels import Mode, kernelize, use_kernel_mapping
+    with use_kernel_mapping(kernel_mapping()):
+        model = kernelize(model, mode=Mode.TRAINING, device="cuda")
 """
 from __future__ import annotations
 
 import sys
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import nn
@@ -36,6 +44,48 @@ class MultiScaleDeformableAttention(nn.Module):
         return ms_deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
                               attention_weights, backend=self.backend,
                               spatial_shapes_list=value_spatial_shapes_list)
+
+
+class MultiScaleDeformableAttentionKernel(nn.Module):
+    """The stateless layer `kernels.kernelize` puts under transformers'
+    `MultiScaleDeformableAttention` (its forward replaces that layer's; the
+    `kernels` package accepts no constructor or state). Runs the operator
+    with backend "auto" (the environment variable MS_DEFORM_ATTN_BACKEND
+    overrides it) and `value_spatial_shapes_list` as the host-side shapes."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, value: torch.Tensor, value_spatial_shapes: torch.Tensor,
+                value_spatial_shapes_list: List[Tuple[int, int]], level_start_index: torch.Tensor,
+                sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
+                im2col_step: int = 64) -> torch.Tensor:
+        return ms_deform_attn(value, value_spatial_shapes, level_start_index, sampling_locations,
+                              attention_weights, spatial_shapes_list=value_spatial_shapes_list)
+
+
+class _PackageLayerRepository:
+    """A repository in the sense of the `kernels` package (its
+    RepositoryProtocol: load() returns the layer class) that serves
+    MultiScaleDeformableAttentionKernel from this package."""
+
+    layer_name = "MultiScaleDeformableAttention"
+
+    def load(self):
+        return MultiScaleDeformableAttentionKernel
+
+    def __str__(self) -> str:
+        return "ms_deform_attn.hf (layer `MultiScaleDeformableAttentionKernel`)"
+
+
+_REPOSITORY = _PackageLayerRepository()
+
+
+def kernel_mapping(devices: Tuple[str, ...] = ("cuda", "cpu")) -> Dict[str, Dict[str, object]]:
+    """The `kernels` layer mapping (for `kernels.use_kernel_mapping` or
+    `kernels.register_kernel_mapping`) of transformers' layer name
+    "MultiScaleDeformableAttention" to this package's operator, on `devices`."""
+    return {"MultiScaleDeformableAttention": {d: _REPOSITORY for d in devices}}
 
 
 def multi_scale_deformable_attention(value, value_spatial_shapes, sampling_locations,

@@ -351,3 +351,39 @@ def test_transformers_model_swap(device, backend, name, monkeypatch):
     with torch.no_grad():
         out = getattr(model(**inputs), output)
     assert rel_err(out, expected.double()) <= 1e-5
+
+
+@pytest.mark.parametrize("device,backend", [p for p in device_backends() if p.values[1] in ("cpu", "baseline", "tma")])
+@pytest.mark.parametrize("name", ["deformable_detr", "rt_detr", "grounding_dino"])
+def test_transformers_kernels_mapping(device, backend, name, monkeypatch):
+    """transformers' layer name mapped through the `kernels` package
+    (kernelize, no Hub): the layers' forward becomes the operator's, with
+    transformers' value_spatial_shapes_list as the host-side shapes (so the
+    tma backend, chosen by the environment variable, runs too)."""
+    kernels = pytest.importorskip("kernels")
+    from ms_deform_attn.hf import MultiScaleDeformableAttentionKernel, kernel_mapping
+
+    factory, (h, w), extra, output, sites = HF_MODELS[name]
+    model = factory(device)
+    inputs = {"pixel_values": torch.randn(2, 3, h, w, device=device)}
+    inputs.update(extra(device) if extra else {})
+    with torch.no_grad():
+        expected = getattr(model(**inputs), output)
+    # transformers marks its layer for kernelize (use_kernel_forward_from_hub)
+    # only with the kernels versions it supports; with another one installed,
+    # mark it here the same way (kernels.replace_kernel_forward_from_hub does
+    # this), undone after the test.
+    for cls in {type(m) for m in model.modules() if type(m).__name__ == "MultiScaleDeformableAttention"}:
+        if getattr(cls, "kernel_layer_name", None) is None:
+            monkeypatch.setattr(cls, "kernel_layer_name", "MultiScaleDeformableAttention", raising=False)
+            monkeypatch.setattr(cls, "kernel_condition", staticmethod(lambda module: True), raising=False)
+    with kernels.use_kernel_mapping(kernel_mapping()):
+        model = kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device=device)
+    replaced = [m for m in model.modules() if type(m).__name__ == "MultiScaleDeformableAttention"
+                and getattr(m.forward, "__func__", None) is MultiScaleDeformableAttentionKernel.forward]
+    assert len(replaced) == sites
+    if device == "cuda":
+        monkeypatch.setenv("MS_DEFORM_ATTN_BACKEND", backend)
+    with torch.no_grad():
+        out = getattr(model(**inputs), output)
+    assert rel_err(out, expected.double()) <= 1e-5
