@@ -14,6 +14,8 @@
 //   once by lane 0 (no atomics).
 // Deterministic path (backward_deterministic.cu): no grad_value here; lane 0
 // writes each sample's cell key and index instead, for the sort.
+#include <algorithm>
+
 #include "common.cuh"
 #include "launch.h"
 
@@ -41,7 +43,7 @@ __device__ __forceinline__ void write_key(const BackwardParams& p, int64_t sampl
 // grad_output is re-read per pass instead of being kept in registers.
 template <typename T, typename LT, int VEC, bool kMulti>
 __global__ void __launch_bounds__(kThreads)
-    backward_kernel(const BackwardParams p, const int lanes) {
+    backward_kernel(const BackwardParams p, const int lanes, const int chunk) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
@@ -51,7 +53,13 @@ __global__ void __launch_bounds__(kThreads)
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, keys);
 
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t group = tid / lanes;
+  // A task is `chunk` consecutive samples (level-major) of one group; the
+  // group's tasks are consecutive.
+  const int64_t LP = int64_t(pb.L) * pb.P;
+  const int64_t tasks = (LP + chunk - 1) / chunk;
+  const int64_t group = tid / lanes / tasks;
+  const int i0 = static_cast<int>((tid / lanes) % tasks) * chunk;
+  const int i1 = static_cast<int>(min(LP, int64_t(i0) + chunk));
   // Threads past the last group stay for the shuffles and do nothing else.
   const bool active = group < pb.N * pb.Lq * pb.M;
   const int lane = static_cast<int>(tid % lanes);
@@ -60,7 +68,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t vrow0 = value_row(n, 0, m, pb.S, pb.M) * pb.D;
   const T* vbase = static_cast<const T*>(p.value) + vrow0;
   A* gvbase = static_cast<A*>(p.grad_value_acc) + vrow0;
-  const int64_t LP = int64_t(pb.L) * pb.P;
   const auto [loc, attn] = query_row<LT>(p, group);
   const T* gout = static_cast<const T*>(p.grad_out) + group * pb.D;
   LT* gloc = static_cast<LT*>(p.grad_loc) + group * LP * 2;
@@ -78,14 +85,18 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  for (int l = 0; l < pb.L; ++l) {
-    const Level lv = levels[l];
-    const int64_t lbase = lv.start * row_stride;
-    for (int pt = 0; pt < pb.P; ++pt) {
-      const int i = l * pb.P + pt;
+  // Every thread runs `chunk` iterations (the group sums shuffle across the
+  // whole warp); samples past the group's last one are inactive.
+  for (int step = 0, l = i0 / pb.P; step < chunk; ++step) {
+    const int i = i0 + step;
+    if (i == (l + 1) * pb.P && l + 1 < pb.L) ++l;  // level-major: at most one step a sample
+    const bool live = active && i < i1;
+    {
+      const Level lv = levels[l];
+      const int64_t lbase = lv.start * row_stride;
       A xy[2] = {A(-2), A(-2)};  // outside: inactive threads sample nothing
       A w = A(0);
-      if (active) {
+      if (live) {
         load_xy(loc + 2 * i, xy);
         w = to_acc(attn[i]);
       }
@@ -121,7 +132,7 @@ __global__ void __launch_bounds__(kThreads)
       g_attn = group_sum(g_attn, lanes);
       g_lw = group_sum(g_lw, lanes);
       g_lh = group_sum(g_lh, lanes);
-      if (active && lane == 0) {
+      if (live && lane == 0) {
         if (keys) write_key(p, group * LP + i, b.inside && lv.H > 0, m + n * pb.M, cell_base[l], b, lv.W);
         gattn[i] = from_acc<LT>(acc_t<LT>(g_attn));
         gloc[2 * i] = from_acc<LT>(acc_t<LT>(w * g_lw * A(lv.W)));
@@ -131,16 +142,39 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Samples per task: all of a group's (one task a group) when the groups
+// alone give kFillPerSm threads a multiprocessor; otherwise (decoders: a few
+// thousand groups) fewer, so that about that many threads run. More threads
+// put more of the backward's latency-bound corner loads and atomics in
+// flight.
+constexpr int64_t kFillPerSm = 4 * 2048;
+
+int samples_per_task(const Problem& pb, int lanes) {
+  const int64_t LP = int64_t(pb.L) * pb.P;
+  DeviceLimits d;
+  if (device_limits(d) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return static_cast<int>(LP);
+  }
+  const int64_t threads = pb.N * pb.Lq * pb.M * lanes;
+  const int64_t want = kFillPerSm * d.sms;
+  if (threads >= want) return static_cast<int>(LP);
+  const int64_t split = std::min(LP, (want + threads - 1) / threads);
+  return static_cast<int>((LP + split - 1) / split);
+}
+
 template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
     const int lanes = lanes_for(p.pb.D, VEC);
-    const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
+    const int chunk = samples_per_task(p.pb, lanes);
+    const int64_t LP = int64_t(p.pb.L) * p.pb.P;
+    const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * ((LP + chunk - 1) / chunk) * lanes;
     const bool multi = p.pb.D > int64_t(lanes) * VEC;
     if (multi) {
-      backward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+      backward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes, chunk);
     } else {
-      backward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+      backward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes, chunk);
     }
     return cudaGetLastError();
   }
