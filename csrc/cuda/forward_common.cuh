@@ -205,7 +205,8 @@ __device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, 
 // this lane's channel slices (gather_level for each level). All `lanes`
 // threads of the group call it. with_fetch(l, c, body) calls body(fetch) with
 // the fetch for level l at channel offset c (global memory, shared memory...),
-// which is where the backends differ.
+// which is where the backends differ; or body(fetch, index) when the fetch
+// wants corners numbered by index(row, col) (see resolve_sample).
 template <typename T, typename LT, int VEC, typename WithFetch>
 __device__ __forceinline__ void forward_row(const Problem& pb, const Level* levels, const LT* loc,
                                             const LT* attn, T* out, int lane, int lanes,
@@ -222,9 +223,10 @@ __device__ __forceinline__ void forward_row(const Problem& pb, const Level* leve
     for (int l = 0; l < pb.L; ++l) {
       const Level lv = levels[l];
       if (lv.H == 0) continue;  // level rejected by load_levels
-      with_fetch(l, active ? c : 0, [&](auto&& fetch) {
+      with_fetch(l, active ? c : 0, [&](auto&& fetch, auto&&... index) {
         gather_level(g, pb.P, l, loc, attn, active, slots, acc,
-                     [&](A x, A y, A w) { return resolve_sample(x, y, w, lv.H, lv.W); }, fetch);
+                     [&](A x, A y, A w) { return resolve_sample(x, y, w, lv.H, lv.W, index...); },
+                     fetch);
       });
     }
     if (active) store_vec<T, VEC>(out + c, acc);

@@ -242,8 +242,6 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     }
   };
 
-  const GroupLanes g = group_lanes(lane, lanes);
-  const int64_t c = int64_t(lane) * VEC;  // one pass covers D (the predicate's D * size <= 512)
   const int64_t row_stride = pb.M * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
 
@@ -268,50 +266,42 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     mbar_wait(&bars[s], (k >> 1) & 1);
 
     const QueryOf w = query_of(tp, item, qi);
-    const bool valid = w.q >= 0;  // whole groups: the group's lanes agree
-    if (!valid) continue;
-    const bool active = c < pb.D;
-    const int64_t cc = active ? c : 0;
+    if (w.q < 0) continue;  // whole groups: the group's lanes agree
     const int64_t group = (w.n * pb.Lq + w.q) * pb.M + w.m;
     const auto [loc, attn] = query_row<LT>(p, group);
-    const T* vbase = static_cast<const T*>(p.value) + value_row(w.n, 0, w.m, pb.S, pb.M) * pb.D + cc;
+    const T* vbase = static_cast<const T*>(p.value) + value_row(w.n, 0, w.m, pb.S, pb.M) * pb.D;
     const StageBoxes& b = boxes[s];
-    A acc[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-    for (int l = 0; l < pb.L; ++l) {
-      const Level lv = levels[l];
-      if (lv.H == 0) continue;  // level rejected by load_levels
-      const T* gl = vbase + lv.start * row_stride;
-      auto global = [&](int pix, A(&v)[VEC]) { load_vec<T, VEC>(pixel_ptr(gl, pix, stride_bytes), v); };
-      if (b.staged[l]) {
-        // Corners inside the box are numbered -2 - (box-relative pixel).
-        const uint32_t sl =
-            smem_u32(stages + s * lvs.stage_bytes + lvs.off[l]) + static_cast<uint32_t>(cc * sizeof(T));
-        const unsigned row_bytes = static_cast<unsigned>(px_bytes);
-        const int bx = b.x[l], by = b.y[l], W = lv.W;
-        const unsigned bw = lvs.box_w[l], bh = lvs.box_h[l];
-        auto index = [&](int row, int col) {
-          const unsigned r = static_cast<unsigned>(row - by), k2 = static_cast<unsigned>(col - bx);
-          return (r < bh && k2 < bw) ? -2 - static_cast<int>(r * bw + k2) : row * W + col;
-        };
-        gather_level(
-            g, pb.P, l, loc, attn, active, slots, acc,
-            [&](A x, A y, A wt) { return resolve_sample(x, y, wt, lv.H, lv.W, index); },
-            [&](int pix, A(&v)[VEC]) {
-              if (pix < 0) {
-                load16_shared<T, VEC>(sl + static_cast<unsigned>(-2 - pix) * row_bytes, v);
-              } else {
-                global(pix, v);
-              }
-            });
-      } else {
-        gather_level(
-            g, pb.P, l, loc, attn, active, slots, acc,
-            [&](A x, A y, A wt) { return resolve_sample(x, y, wt, lv.H, lv.W); }, global);
-      }
-    }
-    if (active) store_vec<T, VEC>(static_cast<T*>(p.out) + group * pb.D + c, acc);
+    forward_row<T, LT, VEC>(
+        pb, levels, loc, attn, static_cast<T*>(p.out) + group * pb.D, lane, lanes, slots,
+        [&](int l, int64_t c, auto&& body) {
+          const Level lv = levels[l];
+          const T* gl = vbase + lv.start * row_stride + c;
+          auto global = [&](int pix, A(&v)[VEC]) {
+            load_vec<T, VEC>(pixel_ptr(gl, pix, stride_bytes), v);
+          };
+          if (!b.staged[l]) {
+            body(global);
+            return;
+          }
+          // Corners inside the box are numbered -2 - (box-relative pixel).
+          const uint32_t sl = smem_u32(stages + s * lvs.stage_bytes + lvs.off[l]) +
+                              static_cast<uint32_t>(c * sizeof(T));
+          const unsigned row_bytes = static_cast<unsigned>(px_bytes);
+          const int bx = b.x[l], by = b.y[l], W = lv.W;
+          const unsigned bw = lvs.box_w[l], bh = lvs.box_h[l];
+          body(
+              [&](int pix, A(&v)[VEC]) {
+                if (pix < 0) {
+                  load16_shared<T, VEC>(sl + static_cast<unsigned>(-2 - pix) * row_bytes, v);
+                } else {
+                  global(pix, v);
+                }
+              },
+              [&](int row, int col) {
+                const unsigned r = static_cast<unsigned>(row - by), k = static_cast<unsigned>(col - bx);
+                return (r < bh && k < bw) ? -2 - static_cast<int>(r * bw + k) : row * W + col;
+              });
+        });
   }
 #endif
 }
