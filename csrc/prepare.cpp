@@ -51,8 +51,10 @@ std::vector<int64_t> check_host_shapes(at::IntArrayRef list, const at::Tensor& s
   int64_t total = 0;
   for (int l = 0; l < pb.L; ++l) {
     const int64_t H = list[2 * l], W = list[2 * l + 1];
-    TORCH_CHECK(H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX, kOp, "spatial_shapes_list[", l,
-                "] = (", H, ", ", W, ") must be positive (H, W)");
+    TORCH_CHECK(H > 0 && W > 0, kOp, "spatial_shapes_list[", l, "] = (", H, ", ", W,
+                ") must be positive (H, W)");
+    TORCH_CHECK(H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX, kOp, "spatial_shapes_list[",
+                l, "] = (", H, ", ", W, "): H * W must be < 2^31");
     total += H * W;
   }
   TORCH_CHECK(total == pb.S, kOp,

@@ -74,8 +74,10 @@ std::string tma_problem(const Problem& pb, const cudaDeviceProp&) {
 // predicates pass and whose auto_ok holds is chosen. benchmarks/ measures every
 // backend on the canonical workloads (`auto:` lines check this choice).
 const CudaBackend kBackends[] = {
-    // Needs host-side level shapes (spatial_shapes_list); not yet measured
-    // faster than baseline anywhere (benchmarks/NOTES.md): explicit requests only.
+    // Needs host-side level shapes (spatial_shapes_list). Measured slower than
+    // baseline on every canonical workload (ddetr_enc bf16 251 against 156 us:
+    // more instructions a sample than the loads it saves, benchmarks/NOTES.md):
+    // explicit requests only.
     {"tma", needs_tma, tma_problem, never, no_workspace, &cuda::tma_forward},
     // Correct, but bound by distributed shared memory: 2.0 TB/s over the
     // chip (benchmarks/dsmem.py, H200) for ~7/8 of every sample's corner
