@@ -8,6 +8,9 @@ namespace msda {
 
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2, f64 = 3 };
 
+// Bytes of one element of `t`.
+inline int64_t dtype_bytes(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
+
 struct Problem {
   int64_t N = 0;   // batch
   int64_t S = 0;   // sum of H * W over levels

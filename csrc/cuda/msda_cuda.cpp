@@ -20,7 +20,8 @@ namespace {
 // cannot. device_reason looks at the device only (what available_backends
 // lists); problem_reason at the inputs too. auto_ok says whether "auto" may
 // pick it for these inputs (the benchmark's verdict); workspace is the zeroed
-// scratch it needs.
+// scratch it needs; value_align the byte alignment it needs of value's data
+// (a misaligned value is copied).
 struct CudaBackend {
   const char* name;
   std::string (*device_reason)(const cudaDeviceProp&);
@@ -28,6 +29,7 @@ struct CudaBackend {
   bool (*auto_ok)(const Problem&, const cudaDeviceProp&);
   int64_t (*workspace)(const Problem&);
   cudaError_t (*forward)(const ForwardParams&, cudaStream_t);
+  int64_t value_align;
 };
 
 std::string runs_anywhere(const cudaDeviceProp&) { return ""; }
@@ -53,11 +55,9 @@ std::string needs_tma(const cudaDeviceProp& pr) {
   return os.str();
 }
 
-int64_t elem_size(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
-
 std::string tma_problem(const Problem& pb, const cudaDeviceProp&) {
   std::ostringstream os;
-  const int64_t row = pb.D * elem_size(pb.value_dtype);
+  const int64_t row = pb.D * dtype_bytes(pb.value_dtype);
   if (!pb.host_shapes) {
     os << "needs the level shapes on the host to build its copy descriptors without a device "
           "sync: pass spatial_shapes_list=[(H, W), ...] (transformers' value_spatial_shapes_list)";
@@ -78,17 +78,18 @@ const CudaBackend kBackends[] = {
     // baseline on every canonical workload (ddetr_enc bf16 251 against 156 us:
     // more instructions a sample than the loads it saves, benchmarks/NOTES.md):
     // explicit requests only.
-    {"tma", needs_tma, tma_problem, never, no_workspace, &cuda::tma_forward},
+    // 16-byte aligned value: the copy engine's global address alignment.
+    {"tma", needs_tma, tma_problem, never, no_workspace, &cuda::tma_forward, 16},
     // Correct, but bound by distributed shared memory: 2.0 TB/s over the
     // chip (benchmarks/dsmem.py, H200) for ~7/8 of every sample's corner
     // reads; 4.4x slower than baseline on ddetr_enc bf16 (benchmarks/NOTES.md).
-    {"cluster", needs_clusters, runs_any_problem, never, no_workspace, &cuda::cluster_forward},
+    {"cluster", needs_clusters, runs_any_problem, never, no_workspace, &cuda::cluster_forward, 1},
     // Measured slower than baseline on every canonical workload so far
     // (BENCHMARKS.md, benchmarks/NOTES.md: L1/TEX-bound either way, and its
     // shared-memory cache reads conflict): explicit requests only.
     {"persistent", runs_anywhere, runs_any_problem, never, &cuda::persistent_workspace_bytes,
-     &cuda::persistent_forward},
-    {"baseline", runs_anywhere, runs_any_problem, always, no_workspace, &cuda::baseline_forward},
+     &cuda::persistent_forward, 1},
+    {"baseline", runs_anywhere, runs_any_problem, always, no_workspace, &cuda::baseline_forward, 1},
 };
 
 const cudaDeviceProp& props(int device) { return *at::cuda::getDeviceProperties(device); }
@@ -178,7 +179,7 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
   if (out.numel() == 0) return out;
   in.loc = aligned_pairs(in.loc);
-  if (name == "tma") in.value = aligned(in.value, 16);  // the copy engine's global alignment
+  in.value = aligned(in.value, impl.value_align);
   ForwardParams p;
   set_inputs(p, in);
   p.out = out.data_ptr();

@@ -37,10 +37,6 @@ CUtensorMapDataType map_dtype(DType t) {
   }
 }
 
-int64_t elem_bytes(DType t) {
-  return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2;
-}
-
 // Pixels a tile's samples reach beyond the tile on each side: the
 // Deformable DETR initialisation puts point p at p + 1 pixels along its
 // head's direction (up to 4 for P = 4, centred by the box placement to about
@@ -87,7 +83,7 @@ cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int6
   auto encode = encoder(err);
   if (err != cudaSuccess) return err;
 
-  const int64_t e = elem_bytes(pb.value_dtype);
+  const int64_t e = dtype_bytes(pb.value_dtype);
   const int64_t px_bytes = pb.D * e;
   TmaLevels t = {};
   // Full boxes if they fit, else all of them shrunk by the same factor.
