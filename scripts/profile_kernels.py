@@ -1,7 +1,10 @@
 """Runs each kernel of interest once inside a cudaProfilerStart/Stop range, for
 `ncu --profile-from-start off` (see the `profile` stage of gpu_check.sh).
 
-    python scripts/profile_kernels.py [workload] [dtype]
+    python scripts/profile_kernels.py [workload] [dtype] [backward]
+
+With "backward" only the backward runs: the kernel the operator picks, then
+the plain atomic kernel (MS_DEFORM_ATTN_BACKWARD_KERNEL=atomic).
 """
 import os
 import sys
@@ -19,7 +22,7 @@ wl = W.get(name)
 inputs = W.make_inputs(wl, dtype, torch.float32, device="cuda")
 grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * inputs[0].shape[3],
                    device="cuda", dtype=dtype)
-backends = msda.available_backends("cuda")
+backends = [] if "backward" in sys.argv[3:] else msda.available_backends("cuda")
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
 for _ in range(3):  # warm-up: module load, allocator
     for b in backends:
@@ -30,6 +33,9 @@ torch.cuda.profiler.start()
 for b in backends:
     msda.ms_deform_attn(*inputs, backend=b, spatial_shapes_list=wl.levels)
 bwd(grad, *inputs)
+if not backends:
+    os.environ["MS_DEFORM_ATTN_BACKWARD_KERNEL"] = "atomic"
+    bwd(grad, *inputs)
 torch.cuda.synchronize()
 torch.cuda.profiler.stop()
 print("profiled", name, dtype, backends, "+ backward")

@@ -223,8 +223,9 @@ __global__ void __launch_bounds__(kWinThreads, 4)
     A* gvbase = static_cast<A*>(p.grad_value_acc) + vrow0;
 
     for (int l = 0; l < pb.L; ++l) {
+      // A level rejected by load_levels (H = W = 0) has no samples inside
+      // and no window; its samples' gradients are still written (zeros).
       const Level lv = levels[l];
-      if (lv.H == 0) continue;  // level rejected by load_levels: samples nothing
       const int64_t lbase = lv.start * row_stride;
 
       // 1. Footprint of the tile's level-l samples.
@@ -276,8 +277,10 @@ __global__ void __launch_bounds__(kWinThreads, 4)
 #pragma unroll
           for (int e = 0; e < kVec; ++e) go[e] = A(0);
         }
-        for (int pt = 0; pt < pb.P; ++pt) {
-          const int i = l * pb.P + pt;
+        for (int step = 0; step < pb.P; ++step) {
+          // Groups start at different points, so that neighbouring queries
+          // of a warp add to different pixels at a time.
+          const int i = l * pb.P + (step + group) % pb.P;
           A xy[2] = {A(-2), A(-2)};  // outside: dead slots sample nothing
           A w = A(0);
           if (live) {
