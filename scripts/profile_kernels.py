@@ -3,8 +3,7 @@
 
     python scripts/profile_kernels.py [workload] [dtype] [backward]
 
-With "backward" only the backward runs: the kernel the operator picks, then
-the plain atomic kernel (MS_DEFORM_ATTN_BACKWARD_KERNEL=atomic).
+With "backward" only the backward kernels run.
 """
 import os
 import sys
@@ -33,9 +32,6 @@ torch.cuda.profiler.start()
 for b in backends:
     msda.ms_deform_attn(*inputs, backend=b, spatial_shapes_list=wl.levels)
 bwd(grad, *inputs)
-if not backends:
-    os.environ["MS_DEFORM_ATTN_BACKWARD_KERNEL"] = "atomic"
-    bwd(grad, *inputs)
 torch.cuda.synchronize()
 torch.cuda.profiler.stop()
 print("profiled", name, dtype, backends, "+ backward")

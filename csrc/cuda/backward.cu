@@ -16,7 +16,7 @@
 // writes each sample's cell key and index instead, for the sort.
 #include <algorithm>
 
-#include "backward_common.cuh"
+#include "common.cuh"
 #include "launch.h"
 
 namespace msda::cuda {
@@ -101,24 +101,43 @@ __global__ void __launch_bounds__(kThreads)
         w = to_acc(attn[i]);
       }
       const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
-      SampleGrads<A> g;
+      A g_attn = A(0), g_lw = A(0), g_lh = A(0);
       if (b.inside) {
         for (int64_t c = c0; c < pb.D; c += cstep) {
           if (kMulti) load_vec<T, VEC>(gout + c, go);
-          corner_grads<T, VEC>(vbase, lbase, row_stride, c, go, b, lv, w, value_grad, g,
-                               [&](int, int64_t off, A scale) {
-                                 A add[VEC];
 #pragma unroll
-                                 for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
-                                 atomic_add_vec<VEC>(gvbase + off, add);
-                               });
+          for (int k = 0; k < 4; ++k) {
+            if (!b.corner_ok(k, lv.H, lv.W)) continue;
+            const int64_t off = lbase + b.corner_offset(k, lv.W) * row_stride + c;
+            A v[VEC];
+            load_vec<T, VEC>(vbase + off, v);
+            A dot = A(0);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) dot += go[e] * v[e];
+            const A wk = b.weight(k);
+            g_attn += wk * dot;
+            g_lw += b.dweight_dlw(k) * dot;
+            g_lh += b.dweight_dlh(k) * dot;
+            if (value_grad) {
+              const A scale = w * wk;
+              A add[VEC];
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
+              atomic_add_vec<VEC>(gvbase + off, add);
+            }
+          }
           if (!kMulti) break;
         }
       }
-      if (live && lane == 0 && keys) {
-        write_key(p, group * LP + i, b.inside && lv.H > 0, m + n * pb.M, cell_base[l], b, lv.W);
+      g_attn = group_sum(g_attn, lanes);
+      g_lw = group_sum(g_lw, lanes);
+      g_lh = group_sum(g_lh, lanes);
+      if (live && lane == 0) {
+        if (keys) write_key(p, group * LP + i, b.inside && lv.H > 0, m + n * pb.M, cell_base[l], b, lv.W);
+        gattn[i] = from_acc<LT>(acc_t<LT>(g_attn));
+        gloc[2 * i] = from_acc<LT>(acc_t<LT>(w * g_lw * A(lv.W)));
+        gloc[2 * i + 1] = from_acc<LT>(acc_t<LT>(w * g_lh * A(lv.H)));
       }
-      write_sample_grads(g, lanes, live && lane == 0, i, w, lv, gloc, gattn);
     }
   }
 }

@@ -6,7 +6,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -288,35 +287,6 @@ inline cudaError_t device_limits(DeviceLimits& d) {
   if (err == cudaSuccess)
     err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   return err;
-}
-
-// Dynamic shared memory of a launch that caches or stages data: `fixed` bytes
-// it always needs, then a buffer of `budget` bytes: the caller's request
-// (the params' smem_budget, -1 for none: then `fallback`), capped
-// by what the device lets the kernel opt in to, in 16-byte units. Sets the
-// kernel's dynamic shared-memory limit to match.
-struct SmemPlan {
-  int64_t budget = 0;   // buffer bytes
-  int64_t dynamic = 0;  // fixed + budget
-  int sms = 0;
-};
-
-template <typename Kernel>
-cudaError_t plan_smem(Kernel kernel, int64_t fixed, int64_t requested, int64_t fallback,
-                      SmemPlan& plan) {
-  DeviceLimits d;
-  cudaError_t err = device_limits(d);
-  if (err != cudaSuccess) return err;
-  cudaFuncAttributes attr;
-  err = cudaFuncGetAttributes(&attr, kernel);
-  if (err != cudaSuccess) return err;
-  const int64_t cap = int64_t(d.smem_optin) - int64_t(attr.sharedSizeBytes) - fixed;
-  const int64_t want = requested >= 0 ? requested : fallback;
-  plan.budget = std::max<int64_t>(0, std::min(want, cap)) / 16 * 16;
-  plan.dynamic = fixed + plan.budget;
-  plan.sms = d.sms;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(plan.dynamic));
 }
 
 inline unsigned grid_for(int64_t threads) {

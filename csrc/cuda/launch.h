@@ -24,13 +24,6 @@ cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream);
 // accumulator with grad_value_acc, 32 without (or 1).
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
 
-// The same gradients for encoder-shaped problems (Lq == S), with grad_value's
-// additions gathered in shared-memory windows first (backward_windowed.cu).
-// Runs where windowed_backward_ok(pb, vec, compute capability major):
-// sm_90+, no fp64, p.vec == 8 (32 bytes of the accumulator), D <= 256.
-bool windowed_backward_ok(const Problem& pb, int vec, int major);
-cudaError_t windowed_backward(const BackwardParams& p, cudaStream_t stream);
-
 // Deterministic grad_value (backward_deterministic.cu), after backward() wrote
 // keys and ids. Sizes in elements; keys and ids are unsigned (wide: uint64).
 struct DeterministicBuffers {

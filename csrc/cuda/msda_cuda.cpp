@@ -8,7 +8,6 @@
 
 #include <cstdlib>
 #include <sstream>
-#include <string>
 
 #include "../prepare.h"
 #include "launch.h"
@@ -274,13 +273,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
   // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
-  // atomics, 32 bytes without (see backward.cu) and for the windowed kernel.
+  // atomics, 32 bytes without (see backward.cu).
   const int want = (vt == at::kDouble ? 2 : 4) * (deterministic ? 2 : 1);
   p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
-  // Test hooks: the window size, and the plain kernel where the windowed one would run.
-  if (const char* env = std::getenv("MS_DEFORM_ATTN_SMEM_BUDGET")) p.smem_budget = std::atoll(env);
-  const char* kernel_env = std::getenv("MS_DEFORM_ATTN_BACKWARD_KERNEL");
-  const bool plain_only = kernel_env != nullptr && std::string(kernel_env) == "atomic";
   at::Tensor grad_value;
   if (deterministic) {
     grad_value = deterministic_grad_value(p, in, stream);
@@ -288,14 +283,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
     if (pb.N * pb.Lq * pb.M > 0) {
       p.grad_value_acc = grad_value_acc.data_ptr();
-      const int vec8 = pick_vec(pb.D, in.value.element_size(), 8, {p.value, p.grad_out});
-      const int major = at::cuda::getCurrentDeviceProperties()->major;
-      if (!plain_only && cuda::windowed_backward_ok(pb, vec8, major)) {
-        p.vec = vec8;
-        C10_CUDA_CHECK(cuda::windowed_backward(p, stream));
-      } else {
-        C10_CUDA_CHECK(cuda::backward(p, stream));
-      }
+      C10_CUDA_CHECK(cuda::backward(p, stream));
     }
     grad_value = grad_value_acc.to(vt);
   }
