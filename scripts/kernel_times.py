@@ -1,5 +1,8 @@
-"""Per-kernel GPU times of the backward (fast and deterministic) on one
-workload, from torch.profiler: where the backward's time goes.
+"""Per-kernel GPU times of the backward on one workload, from torch.profiler:
+where the backward's time goes. Three modes: fast (the path the operator
+picks), fast with the plain atomic path forced
+(MS_DEFORM_ATTN_BACKWARD_KERNEL=atomic; differs where the ranged grad_value
+kernel runs), deterministic.
 
     python scripts/kernel_times.py [workload] [dtype]
 """
@@ -20,7 +23,8 @@ grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * 
                    device="cuda", dtype=dtype)
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
 reps = 10
-for det in (False, True):
+for mode, det in (("fast", False), ("atomic", False), ("deterministic", True)):
+    os.environ["MS_DEFORM_ATTN_BACKWARD_KERNEL"] = "atomic" if mode == "atomic" else "default"
     for _ in range(3):
         bwd(grad, *inputs, det)
     torch.cuda.synchronize()
@@ -28,7 +32,7 @@ for det in (False, True):
         for _ in range(reps):
             bwd(grad, *inputs, det)
         torch.cuda.synchronize()
-    print(f"== {name} {dname} backward, deterministic={det}: GPU time per call by kernel (us)")
+    print(f"== {name} {dname} backward, {mode}: GPU time per call by kernel (us)")
     total = 0.0
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if e.device_time_total <= 0:

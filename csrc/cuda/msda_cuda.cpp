@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <sstream>
+#include <string>
 
 #include "../prepare.h"
 #include "launch.h"
@@ -276,9 +277,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   // atomics, 32 bytes without (see backward.cu).
   const int want = (vt == at::kDouble ? 2 : 4) * (deterministic ? 2 : 1);
   p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
+  // Test hooks: the ranged kernel's shared-memory budget, and the plain
+  // atomic path where the ranged one would run.
+  if (const char* env = std::getenv("MS_DEFORM_ATTN_SMEM_BUDGET")) p.smem_budget = std::atoll(env);
+  const char* kernel_env = std::getenv("MS_DEFORM_ATTN_BACKWARD_KERNEL");
+  const bool plain_only = kernel_env != nullptr && std::string(kernel_env) == "atomic";
   at::Tensor grad_value;
   if (deterministic) {
     grad_value = deterministic_grad_value(p, in, stream);
+  } else if (!plain_only && cuda::ranged_value_grad_ok(pb)) {
+    // Few samples a pixel (decoders): grad_value by pixel ranges, no dense
+    // fp32 accumulator; the other two gradients without atomics (32-byte lanes).
+    p.vec = pick_vec(pb.D, in.value.element_size(), 2 * want, {p.value, p.grad_out});
+    if (pb.N * pb.Lq * pb.M > 0) C10_CUDA_CHECK(cuda::backward(p, stream));
+    grad_value = new_output(in.value.sizes(), in.value.options());
+    const int64_t elem = in.value.element_size();
+    const int out_vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {grad_value.data_ptr()});
+    C10_CUDA_CHECK(cuda::ranged_value_grad(p, grad_value.data_ptr(), out_vec, stream));
   } else {
     auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
     if (pb.N * pb.Lq * pb.M > 0) {
