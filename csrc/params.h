@@ -51,7 +51,6 @@ struct BackwardParams {
   void* grad_loc = nullptr;        // like loc
   void* grad_attn = nullptr;       // like attn
   int vec = 1;
-  int64_t smem_budget = -1;  // bytes of a ranged_value_grad block's sums (-1: its default)
   // Deterministic path: when cell_keys is set, the kernel also writes, for
   // every sample (flat index (n, q, m, l, p)), the key of the bilinear cell its
   // footprint lies in (see cell_key() in cuda/common.cuh) and the sample's index.

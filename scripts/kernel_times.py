@@ -1,8 +1,7 @@
 """Per-kernel GPU times of the backward on one workload, from torch.profiler:
-where the backward's time goes. Three modes: fast (the path the operator
-picks), fast with the plain atomic path forced
-(MS_DEFORM_ATTN_BACKWARD_KERNEL=atomic; differs where the ranged grad_value
-kernel runs), deterministic.
+where the backward's time goes. Four modes: fast (the layout the operator
+picks), fast with 16-byte and with 32-byte lanes forced
+(MS_DEFORM_ATTN_BACKWARD_VEC_BYTES), deterministic.
 
     python scripts/kernel_times.py [workload] [dtype]
 """
@@ -23,8 +22,8 @@ grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * 
                    device="cuda", dtype=dtype)
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
 reps = 10
-for mode, det in (("fast", False), ("atomic", False), ("deterministic", True)):
-    os.environ["MS_DEFORM_ATTN_BACKWARD_KERNEL"] = "atomic" if mode == "atomic" else "default"
+for mode, det in (("fast", False), ("16", False), ("32", False), ("deterministic", True)):
+    os.environ["MS_DEFORM_ATTN_BACKWARD_VEC_BYTES"] = mode if mode in ("16", "32") else ""
     for _ in range(3):
         bwd(grad, *inputs, det)
     torch.cuda.synchronize()

@@ -6,7 +6,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -88,40 +87,14 @@ __device__ __forceinline__ void copy_vec(T* dst, const T* __restrict__ src) {
   *reinterpret_cast<R*>(dst) = __ldg(reinterpret_cast<const R*>(src));
 }
 
-// Two accumulators rounded to a pair of 16-bit values in one 32-bit word.
-template <typename T> __device__ __forceinline__ unsigned pack_pair(float a, float b);
-template <> __device__ __forceinline__ unsigned pack_pair<__nv_bfloat16>(float a, float b) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned pack_pair<__half>(float a, float b) {
-  const __half2 h = __floats2half2_rn(a, b);
-  return *reinterpret_cast<const unsigned*>(&h);
-}
-
-// 16-bit values are packed in pairs into 32-bit words (element-wise 2-byte
-// writes into the vector made ptxas put it on the stack).
 template <typename T, int N>
 __device__ __forceinline__ void store_vec(T* p, const acc_t<T> (&in)[N]) {
   using R = typename RawVec<sizeof(T) * N>::type;
-  if constexpr (sizeof(T) == 2 && N % 2 == 0) {
-    unsigned w[N / 2];
+  R raw;
+  T* e = reinterpret_cast<T*>(&raw);
 #pragma unroll
-    for (int i = 0; i < N / 2; ++i) w[i] = pack_pair<T>(in[2 * i], in[2 * i + 1]);
-    if constexpr (N == 8) {
-      *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
-    } else if constexpr (N == 4) {
-      *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-    } else {
-      *reinterpret_cast<unsigned*>(p) = w[0];
-    }
-  } else {
-    R raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < N; ++i) e[i] = from_acc<T>(in[i]);
-    *reinterpret_cast<R*>(p) = raw;
-  }
+  for (int i = 0; i < N; ++i) e[i] = from_acc<T>(in[i]);
+  *reinterpret_cast<R*>(p) = raw;
 }
 
 // Atomically adds VEC consecutive accumulators at p (aligned to VEC elements).
@@ -314,35 +287,6 @@ inline cudaError_t device_limits(DeviceLimits& d) {
   if (err == cudaSuccess)
     err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   return err;
-}
-
-// Dynamic shared memory of a launch that caches or accumulates in shared
-// memory: `fixed` bytes it always needs, then a buffer of `budget` bytes: the
-// caller's request (the params' smem_budget, -1 for none: then `fallback`), capped
-// by what the device lets the kernel opt in to, in 16-byte units. Sets the
-// kernel's dynamic shared-memory limit to match.
-struct SmemPlan {
-  int64_t budget = 0;   // buffer bytes
-  int64_t dynamic = 0;  // fixed + budget
-  int sms = 0;
-};
-
-template <typename Kernel>
-cudaError_t plan_smem(Kernel kernel, int64_t fixed, int64_t requested, int64_t fallback,
-                      SmemPlan& plan) {
-  DeviceLimits d;
-  cudaError_t err = device_limits(d);
-  if (err != cudaSuccess) return err;
-  cudaFuncAttributes attr;
-  err = cudaFuncGetAttributes(&attr, kernel);
-  if (err != cudaSuccess) return err;
-  const int64_t cap = int64_t(d.smem_optin) - int64_t(attr.sharedSizeBytes) - fixed;
-  const int64_t want = requested >= 0 ? requested : fallback;
-  plan.budget = std::max<int64_t>(0, std::min(want, cap)) / 16 * 16;
-  plan.dynamic = fixed + plan.budget;
-  plan.sms = d.sms;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(plan.dynamic));
 }
 
 inline unsigned grid_for(int64_t threads) {

@@ -114,6 +114,35 @@ __device__ inline void plan_cache(const Level* lv, int L, int64_t capacity, int6
   }
 }
 
+// Dynamic shared memory of a caching backend's launch: `fixed` bytes it
+// always needs (the CornerSlots), then a cache of `budget` bytes: the caller's
+// request (ForwardParams::smem_budget, -1 for none: then `fallback`), capped
+// by what the device lets the kernel opt in to, in 16-byte units. Sets the
+// kernel's dynamic shared-memory limit to match.
+struct SmemPlan {
+  int64_t budget = 0;   // cache bytes
+  int64_t dynamic = 0;  // fixed + budget
+  int sms = 0;
+};
+
+template <typename Kernel>
+cudaError_t plan_smem(Kernel kernel, int64_t fixed, int64_t requested, int64_t fallback,
+                      SmemPlan& plan) {
+  DeviceLimits d;
+  cudaError_t err = device_limits(d);
+  if (err != cudaSuccess) return err;
+  cudaFuncAttributes attr;
+  err = cudaFuncGetAttributes(&attr, kernel);
+  if (err != cudaSuccess) return err;
+  const int64_t cap = int64_t(d.smem_optin) - int64_t(attr.sharedSizeBytes) - fixed;
+  const int64_t want = requested >= 0 ? requested : fallback;
+  plan.budget = std::max<int64_t>(0, std::min(want, cap)) / 16 * 16;
+  plan.dynamic = fixed + plan.budget;
+  plan.sms = d.sms;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(plan.dynamic));
+}
+
 // Location and weight of point i of a (query, head) row.
 template <typename A, typename LT>
 __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i, A& x, A& y, A& w) {

@@ -21,17 +21,11 @@ cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream);
 // Backward shared by every forward backend. grad_value_acc must be zeroed;
 // with grad_value_acc null it leaves grad_value out and (cell_keys set) writes
 // the sample keys for the deterministic path instead. p.vec: 16 bytes of the
-// accumulator with grad_value_acc, 32 without (or 1).
+// accumulator with grad_value_acc on most problems, 32 without it and where
+// few_samples_per_pixel(pb) (or 1); the launch follows p.vec.
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
-
-// grad_value for problems with few samples per value pixel (decoders), in
-// the value's dtype, every element written once (backward_ranged.cu); after
-// backward() with grad_value_acc null computed the other two gradients.
-// Runs where ranged_value_grad_ok(pb). vec: 16 bytes of the value dtype when
-// D and grad_value allow, else 1.
-bool ranged_value_grad_ok(const Problem& pb);
-cudaError_t ranged_value_grad(const BackwardParams& p, void* grad_value, int vec,
-                              cudaStream_t stream);
+// At most a few grad_value additions per value pixel on average (decoders).
+bool few_samples_per_pixel(const Problem& pb);
 
 // Deterministic grad_value (backward_deterministic.cu), after backward() wrote
 // keys and ids. Sizes in elements; keys and ids are unsigned (wide: uint64).

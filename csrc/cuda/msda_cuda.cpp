@@ -274,26 +274,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
   // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
-  // atomics, 32 bytes without (see backward.cu).
-  const int want = (vt == at::kDouble ? 2 : 4) * (deterministic ? 2 : 1);
+  // atomics, 32 bytes without them or with few samples a pixel (see
+  // backward.cu). Benchmark hook: MS_DEFORM_ATTN_BACKWARD_VEC_BYTES=16 or 32.
+  bool wide = deterministic || cuda::few_samples_per_pixel(pb);
+  if (const char* env = std::getenv("MS_DEFORM_ATTN_BACKWARD_VEC_BYTES")) {
+    if (std::string(env) == "16") wide = deterministic;
+    if (std::string(env) == "32") wide = true;
+  }
+  const int want = (vt == at::kDouble ? 2 : 4) * (wide ? 2 : 1);
   p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
-  // Test hooks: the ranged kernel's shared-memory budget, and the plain
-  // atomic path where the ranged one would run.
-  if (const char* env = std::getenv("MS_DEFORM_ATTN_SMEM_BUDGET")) p.smem_budget = std::atoll(env);
-  const char* kernel_env = std::getenv("MS_DEFORM_ATTN_BACKWARD_KERNEL");
-  const bool plain_only = kernel_env != nullptr && std::string(kernel_env) == "atomic";
   at::Tensor grad_value;
   if (deterministic) {
     grad_value = deterministic_grad_value(p, in, stream);
-  } else if (!plain_only && cuda::ranged_value_grad_ok(pb)) {
-    // Few samples a pixel (decoders): grad_value by pixel ranges, no dense
-    // fp32 accumulator; the other two gradients without atomics (32-byte lanes).
-    p.vec = pick_vec(pb.D, in.value.element_size(), 2 * want, {p.value, p.grad_out});
-    if (pb.N * pb.Lq * pb.M > 0) C10_CUDA_CHECK(cuda::backward(p, stream));
-    grad_value = new_output(in.value.sizes(), in.value.options());
-    const int64_t elem = in.value.element_size();
-    const int out_vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {grad_value.data_ptr()});
-    C10_CUDA_CHECK(cuda::ranged_value_grad(p, grad_value.data_ptr(), out_vec, stream));
   } else {
     auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
     if (pb.N * pb.Lq * pb.M > 0) {
