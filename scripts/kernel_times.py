@@ -1,7 +1,5 @@
-"""Per-kernel GPU times of the backward on one workload, from torch.profiler:
-where the backward's time goes. Four modes: fast (the layout the operator
-picks), fast with 16-byte and with 32-byte lanes forced
-(MS_DEFORM_ATTN_BACKWARD_VEC_BYTES), deterministic.
+"""Per-kernel GPU times of the backward (fast and deterministic) on one
+workload, from torch.profiler: where the backward's time goes.
 
     python scripts/kernel_times.py [workload] [dtype]
 """
@@ -22,8 +20,7 @@ grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * 
                    device="cuda", dtype=dtype)
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
 reps = 10
-for mode, det in (("fast", False), ("16", False), ("32", False), ("deterministic", True)):
-    os.environ["MS_DEFORM_ATTN_BACKWARD_VEC_BYTES"] = mode if mode in ("16", "32") else ""
+for det in (False, True):
     for _ in range(3):
         bwd(grad, *inputs, det)
     torch.cuda.synchronize()
@@ -31,7 +28,7 @@ for mode, det in (("fast", False), ("16", False), ("32", False), ("deterministic
         for _ in range(reps):
             bwd(grad, *inputs, det)
         torch.cuda.synchronize()
-    print(f"== {name} {dname} backward, {mode}: GPU time per call by kernel (us)")
+    print(f"== {name} {dname} backward, deterministic={det}: GPU time per call by kernel (us)")
     total = 0.0
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if e.device_time_total <= 0:

@@ -152,24 +152,3 @@ def test_deterministic_follows_torch_flag(device, backend):
         torch.use_deterministic_algorithms(before)
     for a, b in zip(explicit, implicit):
         assert torch.equal(_bits(a), _bits(b))
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("vec_bytes", ["16", "32"])
-@pytest.mark.parametrize("lq", [6, 300], ids=["few_per_pixel", "many_per_pixel"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
-                         ids=["float32", "bfloat16", "float64"])
-def test_fast_backward_lane_layouts(monkeypatch, vec_bytes, lq, dtype):
-    """The fast backward's two lane layouts (16 or 32 bytes of the accumulator
-    a lane; the operator picks 32 where samples are few beside pixels), each
-    forced on both kinds of problem, against the float64 reference."""
-    monkeypatch.setenv("MS_DEFORM_ATTN_BACKWARD_VEC_BYTES", vec_bytes)
-    inputs = make_inputs(2, lq, 4, 32, [(9, 11), (5, 6), (3, 3)], 4, dtype, torch.float32,
-                         device="cuda", requires_grad=True)
-    value, shapes, start, loc, attn = inputs
-    grad = torch.randn(2, lq, 4 * 32, dtype=dtype, device="cuda")
-    grads = _grads("baseline", inputs, grad, False)
-    ref = reference64_grads(value, shapes, start, loc, attn, grad)
-    for name, g, r, src in zip(("value", "locations", "weights"), grads, ref, (value, loc, attn)):
-        assert rel_err(g, r) <= TOL[src.dtype], name

@@ -1,15 +1,12 @@
 // Backward shared by every forward backend. `lanes` threads per (query,
 // head), VEC channels each. Two shapes, both measured best for their job
 // (benchmarks/NOTES.md):
-//   with grad_value atomics on problems with many samples a pixel
-//   (encoders): VEC = 16 bytes of the accumulator (4 channels, 8 lanes for
-//   D = 32), so that a group's vector atomic instruction covers a whole
-//   128-byte line: the L2's atomic units are their bound;
-//   without atomics (deterministic path), and with them where samples are
-//   few beside pixels (decoders, few_samples_per_pixel; the L2 is far from
-//   busy there): VEC = 32 bytes of the accumulator (8 channels, 4 lanes),
-//   halving the per-sample work every lane repeats (location, bilinear
-//   weights, shuffle reductions).
+//   with grad_value atomics: VEC = 16 bytes of the accumulator (4 channels, 8
+//   lanes for D = 32), so that a group's vector atomic instruction covers a
+//   whole 128-byte line;
+//   without (deterministic path): VEC = 32 bytes of the accumulator (8
+//   channels, 4 lanes), halving the per-sample work every lane repeats
+//   (location, bilinear weights, shuffle reductions).
 //   grad_value: fp32 (fp64 for fp64) atomicAdd into a zeroed accumulator,
 //   VEC channels per instruction on sm_90+ (vector atomics);
 //   grad of locations and weights: per-lane partial dot products over
@@ -152,10 +149,6 @@ __global__ void __launch_bounds__(kThreads)
 // flight.
 constexpr int64_t kFillPerSm = 4 * 2048;
 
-// "Few samples a pixel": at most this many corner additions per value pixel
-// on average (the decoders have 0.9 - 2.6, the encoders 64).
-constexpr int64_t kFewAddsPerPixel = 8;
-
 int samples_per_task(const Problem& pb, int lanes) {
   const int64_t LP = int64_t(pb.L) * pb.P;
   DeviceLimits d;
@@ -189,15 +182,10 @@ struct Launch {
 
 }  // namespace
 
-bool few_samples_per_pixel(const Problem& pb) {
-  return pb.Lq * pb.L * pb.P * 4 <= kFewAddsPerPixel * pb.S;
-}
-
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
-  const int acc_bytes = p.pb.value_dtype == DType::f64 ? 8 : 4;
-  return p.vec * acc_bytes == 32
-             ? launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/32>(p, stream)
-             : launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/16>(p, stream);
+  return p.grad_value_acc != nullptr
+             ? launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/16>(p, stream)
+             : launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/32>(p, stream);
 }
 
 }  // namespace msda::cuda

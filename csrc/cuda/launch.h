@@ -21,11 +21,8 @@ cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream);
 // Backward shared by every forward backend. grad_value_acc must be zeroed;
 // with grad_value_acc null it leaves grad_value out and (cell_keys set) writes
 // the sample keys for the deterministic path instead. p.vec: 16 bytes of the
-// accumulator with grad_value_acc on most problems, 32 without it and where
-// few_samples_per_pixel(pb) (or 1); the launch follows p.vec.
+// accumulator with grad_value_acc, 32 without (or 1).
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
-// At most a few grad_value additions per value pixel on average (decoders).
-bool few_samples_per_pixel(const Problem& pb);
 
 // Deterministic grad_value (backward_deterministic.cu), after backward() wrote
 // keys and ids. Sizes in elements; keys and ids are unsigned (wide: uint64).

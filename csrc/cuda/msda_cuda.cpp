@@ -8,7 +8,6 @@
 
 #include <cstdlib>
 #include <sstream>
-#include <string>
 
 #include "../prepare.h"
 #include "launch.h"
@@ -274,14 +273,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
   // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
-  // atomics, 32 bytes without them or with few samples a pixel (see
-  // backward.cu). Benchmark hook: MS_DEFORM_ATTN_BACKWARD_VEC_BYTES=16 or 32.
-  bool wide = deterministic || cuda::few_samples_per_pixel(pb);
-  if (const char* env = std::getenv("MS_DEFORM_ATTN_BACKWARD_VEC_BYTES")) {
-    if (std::string(env) == "16") wide = deterministic;
-    if (std::string(env) == "32") wide = true;
-  }
-  const int want = (vt == at::kDouble ? 2 : 4) * (wide ? 2 : 1);
+  // atomics, 32 bytes without (see backward.cu).
+  const int want = (vt == at::kDouble ? 2 : 4) * (deterministic ? 2 : 1);
   p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
   at::Tensor grad_value;
   if (deterministic) {
