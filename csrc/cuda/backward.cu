@@ -39,6 +39,49 @@ __device__ __forceinline__ void write_key(const BackwardParams& p, int64_t sampl
   }
 }
 
+// One channel slice [c, c + VEC) of sample b (inside level lv): the four
+// corners clamped into the level (so always loadable) and loaded back to
+// back, their dot products with go added to the sample's gradient sums
+// (corners outside the level contribute nothing, as before clamping), and,
+// when `gv` is set, each valid corner's w * weight * go added to grad_value
+// with vector atomics. `vl` / `gv` point at channel c of the level's pixel 0
+// of this (n, m); consecutive pixels are `vstride` / `gstride` bytes apart.
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void corner_grads(const T* vl, unsigned vstride, A* gv, uint64_t gstride,
+                                             const Bilinear<A>& b, const Level& lv, A w,
+                                             const A (&go)[VEC], A& g_attn, A& g_lw, A& g_lh) {
+  const int top = max(b.h0, 0), bottom = min(b.h0 + 1, lv.H - 1);
+  const int left = max(b.w0, 0), right = min(b.w0 + 1, lv.W - 1);
+  const int pix[4] = {top * lv.W + left, top * lv.W + right, bottom * lv.W + left,
+                      bottom * lv.W + right};
+  A v[4][VEC];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) load_vec<T, VEC>(pixel_ptr(vl, pix[k], vstride), v[k]);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const bool ok = b.corner_ok(k, lv.H, lv.W);
+    A dot = A(0);
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) dot += go[e] * v[k][e];
+    dot = ok ? dot : A(0);
+    const A wk = b.weight(k);
+    g_attn += wk * dot;
+    g_lw += b.dweight_dlw(k) * dot;
+    g_lh += b.dweight_dlh(k) * dot;
+    if (gv != nullptr && ok) {
+      const A scale = w * wk;
+      A add[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
+      // Byte arithmetic on the pointer itself (not an integer), so that the
+      // compiler still knows it is global memory and emits REDG.
+      A* dst = reinterpret_cast<A*>(reinterpret_cast<char*>(gv) +
+                                    static_cast<uint64_t>(static_cast<unsigned>(pix[k])) * gstride);
+      atomic_add_vec<VEC>(dst, add);
+    }
+  }
+}
+
 // kMulti: D spans more than one pass of the group's lanes (D > 32 * VEC), so
 // grad_output is re-read per pass instead of being kept in registers.
 template <typename T, typename LT, int VEC, bool kMulti>
@@ -65,6 +108,8 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = static_cast<int>(tid % lanes);
   const int64_t m = group % pb.M, n = group / (pb.Lq * pb.M);
   const int64_t row_stride = pb.M * pb.D;
+  const unsigned vstride = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
+  const uint64_t gstride = static_cast<uint64_t>(row_stride) * sizeof(A);
   const int64_t vrow0 = value_row(n, 0, m, pb.S, pb.M) * pb.D;
   const T* vbase = static_cast<const T*>(p.value) + vrow0;
   A* gvbase = static_cast<A*>(p.grad_value_acc) + vrow0;
@@ -103,29 +148,12 @@ __global__ void __launch_bounds__(kThreads)
       const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
       A g_attn = A(0), g_lw = A(0), g_lh = A(0);
       if (b.inside) {
+        const T* vl = vbase + lbase;
+        A* gl = value_grad ? gvbase + lbase : nullptr;
         for (int64_t c = c0; c < pb.D; c += cstep) {
           if (kMulti) load_vec<T, VEC>(gout + c, go);
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            if (!b.corner_ok(k, lv.H, lv.W)) continue;
-            const int64_t off = lbase + b.corner_offset(k, lv.W) * row_stride + c;
-            A v[VEC];
-            load_vec<T, VEC>(vbase + off, v);
-            A dot = A(0);
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) dot += go[e] * v[e];
-            const A wk = b.weight(k);
-            g_attn += wk * dot;
-            g_lw += b.dweight_dlw(k) * dot;
-            g_lh += b.dweight_dlh(k) * dot;
-            if (value_grad) {
-              const A scale = w * wk;
-              A add[VEC];
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
-              atomic_add_vec<VEC>(gvbase + off, add);
-            }
-          }
+          corner_grads<T, VEC>(vl + c, vstride, value_grad ? gl + c : nullptr, gstride, b, lv, w,
+                               go, g_attn, g_lw, g_lh);
           if (!kMulti) break;
         }
       }
