@@ -12,9 +12,8 @@
 //      four corner weights times its attention weight, stored contiguously so
 //      that the gather reads them with independent, sequential loads.
 //   5. value_grad_gather: one lane group per value pixel (n, s, m) walks the
-//      samples of the four cells that have the pixel as a corner (two runs of
-//      the sorted order: cells side by side have consecutive keys), in that
-//      fixed order, and writes the pixel's grad once, in the value's dtype. Pixels
+//      samples of the four cells that have the pixel as a corner, in that fixed
+//      order, and writes the pixel's grad once, in the value's dtype. Pixels
 //      no sample touches get 0; no zero-fill pass, no accumulator buffer.
 #include <cub/device/device_radix_sort.cuh>
 
@@ -109,32 +108,22 @@ __global__ void __launch_bounds__(kThreads)
       const int pix = static_cast<int>(s - lv.start);
       const int y = pix / lv.W, x = pix % lv.W;
       const int64_t nm = n * pb.M + m;
-      // This pixel is corner k = 2 * kh + kw of cell (y - kh, x - kw). For
-      // one kh, the cells kw = 1 and kw = 0 have consecutive keys, so their
-      // samples are one contiguous run of the sorted order: two runs a
-      // pixel, whose six bounds are loaded together before either is walked.
-      int64_t lo[2], mid[2], hi[2];
+      // This pixel is corner k of cell (y - (k >> 1), x - (k & 1)).
 #pragma unroll
-      for (int kh = 0; kh < 2; ++kh) {
-        const int64_t cell = int64_t(cell_key(nm, p.cell_stride, cell_base[l], y - kh, x - 1, lv.W));
-        lo[kh] = cell_start[cell];
-        mid[kh] = cell_start[cell + 1];
-        hi[kh] = cell_start[cell + 2];
-      }
-#pragma unroll
-      for (int kh = 0; kh < 2; ++kh) {
+      for (int k = 0; k < 4; ++k) {
+        const int64_t cell =
+            int64_t(cell_key(nm, p.cell_stride, cell_base[l], y - (k >> 1), x - (k & 1), lv.W));
+        const int64_t end = cell_start[cell + 1];
         // kBatch entries at a time, their loads issued before any is used:
         // the walk is bound by load latency, not by arithmetic.
-        for (int64_t j0 = lo[kh]; j0 < hi[kh]; j0 += kBatch) {
+        for (int64_t j0 = cell_start[cell]; j0 < end; j0 += kBatch) {
           A scale[kBatch];
           int64_t row[kBatch];
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
-            const int64_t j = j0 + u;
-            const bool ok = j < hi[kh];
-            const int k = 2 * kh + (j < mid[kh] ? 1 : 0);
-            scale[u] = ok ? wts[4 * j + k] : A(0);
-            row[u] = ok ? static_cast<int64_t>(rows[j]) : int64_t(-1);
+            const bool ok = j0 + u < end;
+            scale[u] = ok ? wts[4 * (j0 + u) + k] : A(0);
+            row[u] = ok ? static_cast<int64_t>(rows[j0 + u]) : int64_t(-1);
           }
           A go[kBatch][VEC];
 #pragma unroll
