@@ -1,9 +1,10 @@
 """Runs each kernel of interest once inside a cudaProfilerStart/Stop range, for
 `ncu --profile-from-start off` (see the `profile` stage of gpu_check.sh).
 
-    python scripts/profile_kernels.py [workload] [dtype] [backward]
+    python scripts/profile_kernels.py [workload] [dtype] [backward | forward]
 
-With "backward" only the backward kernels run.
+With "backward" only the backward kernels run; with "forward" only the
+forward kernels (of every CUDA backend).
 """
 import os
 import sys
@@ -22,16 +23,19 @@ inputs = W.make_inputs(wl, dtype, torch.float32, device="cuda")
 grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * inputs[0].shape[3],
                    device="cuda", dtype=dtype)
 backends = [] if "backward" in sys.argv[3:] else msda.available_backends("cuda")
+with_bwd = "forward" not in sys.argv[3:]
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
 for _ in range(3):  # warm-up: module load, allocator
     for b in backends:
         msda.ms_deform_attn(*inputs, backend=b, spatial_shapes_list=wl.levels)
-    bwd(grad, *inputs)
+    if with_bwd:
+        bwd(grad, *inputs)
 torch.cuda.synchronize()
 torch.cuda.profiler.start()
 for b in backends:
     msda.ms_deform_attn(*inputs, backend=b, spatial_shapes_list=wl.levels)
-bwd(grad, *inputs)
+if with_bwd:
+    bwd(grad, *inputs)
 torch.cuda.synchronize()
 torch.cuda.profiler.stop()
-print("profiled", name, dtype, backends, "+ backward")
+print("profiled", name, dtype, backends, "+ backward" if with_bwd else "")
