@@ -22,9 +22,8 @@ struct Corners {
 
 // Shared-memory slots through which the lanes of a group hand each other
 // resolved samples: one slot per thread of the block, pixel indices and
-// weights in separate arrays. Slot j of group g of a warp sits at warp base
-// + j * (groups per warp) + g, so when every group of a warp reads its slot i
-// at once the reads are consecutive 16-byte words: no bank conflicts.
+// weights in separate arrays. Where slot j of group g sits: see
+// GroupLanes::slot (no bank conflicts on the writes nor on the reads).
 template <typename A>
 struct __align__(4 * sizeof(A)) Weights4 {
   A v[4];
@@ -156,8 +155,24 @@ __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i,
 // Where the `lanes` threads of a group (aligned inside a warp) stand: the
 // group's lane mask and the CornerSlots they hand samples through.
 struct GroupLanes {
-  int lane, lanes, groups, slot0;
+  int lane, lanes, groups;
+  int warp_base;  // the warp's first slot
+  int group;      // the group's index inside its warp
+  int rot_shift, rot_mul;  // rotation(j) = (j >> rot_shift) * rot_mul
   unsigned mask;
+
+  // Slot of point j (lane j writes it, the whole group reads it): warp base
+  // + j * groups + (group + rotation(j)) mod groups. For one j the groups'
+  // slots are consecutive 16-byte words (the reads, every group at once, hit
+  // distinct banks); the rotation makes the 8 threads of each quarter-warp
+  // write 8 distinct 16-byte bank groups too (without it, lanes of 2-16
+  // wrote 2-4-way conflicts: 75 % of the shared-store wavefronts of the
+  // forward, ncu on seed). Checked for every lane count by enumeration.
+  // rotation(j): j * 8 / lanes for 1-4 lanes, j / 2 for 8, j / 4 for 16
+  // (then taken mod groups = 2), nothing for 32.
+  __device__ __forceinline__ int slot(int j) const {
+    return warp_base + j * groups + ((group + (j >> rot_shift) * rot_mul) & (groups - 1));
+  }
 };
 
 __device__ __forceinline__ GroupLanes group_lanes(int lane, int lanes) {
@@ -167,7 +182,10 @@ __device__ __forceinline__ GroupLanes group_lanes(int lane, int lanes) {
   g.lanes = lanes;
   g.mask = (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (first & 31u);
   g.groups = 32 / lanes;
-  g.slot0 = static_cast<int>(threadIdx.x & ~31u) + static_cast<int>(first & 31u) / lanes;
+  g.warp_base = static_cast<int>(threadIdx.x & ~31u);
+  g.group = static_cast<int>(first & 31u) / lanes;
+  g.rot_shift = lanes <= 4 ? 0 : lanes == 8 ? 1 : 2;
+  g.rot_mul = lanes <= 4 ? 8 / lanes : lanes <= 16 ? 1 : 0;
   return g;
 }
 
@@ -187,13 +205,13 @@ __device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, 
     if (p0 + g.lane < P) {
       A x, y, w;
       load_point(loc, attn, l * P + p0 + g.lane, x, y, w);
-      slots.put(g.slot0 + g.lane * g.groups, resolve(x, y, w));
+      slots.put(g.slot(g.lane), resolve(x, y, w));
     }
     __syncwarp(g.mask);
     const int count = min(g.lanes, P - p0);
     if (active) {
       for (int i = 0; i < count; ++i) {
-        const Corners<A> s = slots.get(g.slot0 + i * g.groups);
+        const Corners<A> s = slots.get(g.slot(i));
         if (s.pix[0] != kNoSample) gather_corners(acc, s, fetch);
       }
     }
