@@ -75,7 +75,7 @@ std::string tma_problem(const Problem& pb, const cudaDeviceProp&) {
 // backend on the canonical workloads (`auto:` lines check this choice).
 const CudaBackend kBackends[] = {
     // Needs host-side level shapes (spatial_shapes_list). Measured slower than
-    // baseline on every canonical workload (ddetr_enc bf16 251 against 156 us:
+    // baseline on every canonical workload (ddetr_enc bf16 257 against 151 us:
     // more instructions a sample than the loads it saves, benchmarks/NOTES.md):
     // explicit requests only.
     // 16-byte aligned value: the copy engine's global address alignment.
