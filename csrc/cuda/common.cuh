@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <mutex>
 #include <type_traits>
 
 #include "../params.h"
@@ -280,13 +281,27 @@ struct DeviceLimits {
   int smem_optin = 0;  // shared memory a block may opt in to
 };
 
-inline cudaError_t device_limits(DeviceLimits& d) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
+inline cudaError_t query_device_limits(int dev, DeviceLimits& d) {
+  cudaError_t err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
   if (err == cudaSuccess)
     err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
   return err;
+}
+
+// The current device's figures, asked of the driver once per device (they
+// do not change while the process runs) instead of on every launch.
+inline cudaError_t device_limits(DeviceLimits& d) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  constexpr int kMaxDevices = 64;
+  if (dev < 0 || dev >= kMaxDevices) return query_device_limits(dev, d);
+  static std::once_flag once[kMaxDevices];
+  static DeviceLimits cached[kMaxDevices];
+  static cudaError_t status[kMaxDevices];
+  std::call_once(once[dev], [dev] { status[dev] = query_device_limits(dev, cached[dev]); });
+  d = cached[dev];
+  return status[dev];
 }
 
 inline unsigned grid_for(int64_t threads) {
