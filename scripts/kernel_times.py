@@ -1,6 +1,5 @@
-"""Per-kernel GPU times of the backward (fast by dense atomics, fast by
-per-row lists, deterministic) on one workload, from torch.profiler: where
-the backward's time goes.
+"""Per-kernel GPU times of the backward (fast and deterministic) on one
+workload, from torch.profiler: where the backward's time goes.
 
     python scripts/kernel_times.py [workload] [dtype]
 """
@@ -21,8 +20,7 @@ grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * 
                    device="cuda", dtype=dtype)
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
 reps = 10
-for path, det in (("atomics", False), ("csr", False), ("atomics", True)):
-    os.environ["MS_DEFORM_ATTN_GRAD_VALUE"] = path
+for det in (False, True):
     for _ in range(3):
         bwd(grad, *inputs, det)
     torch.cuda.synchronize()
@@ -30,7 +28,7 @@ for path, det in (("atomics", False), ("csr", False), ("atomics", True)):
         for _ in range(reps):
             bwd(grad, *inputs, det)
         torch.cuda.synchronize()
-    print(f"== {name} {dname} backward, grad_value {'deterministic' if det else path}: GPU time per call by kernel (us)")
+    print(f"== {name} {dname} backward, deterministic={det}: GPU time per call by kernel (us)")
     total = 0.0
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if e.device_time_total <= 0:

@@ -11,22 +11,8 @@ def op(backend, deterministic=None):
     return lambda v, s, st, l, a: run(v, s, st, l, a, backend, deterministic=deterministic)
 
 
-# grad_value's three paths: the fast one by atomics into a dense accumulator
-# ("fast"), the fast one by per-row lists of additions ("csr",
-# backward_csr.cu: what the decoders get), and the deterministic one (sort
-# and gather). MS_DEFORM_ATTN_GRAD_VALUE pins the fast path's choice.
-MODES = pytest.mark.parametrize("mode", ["fast", "csr", "det"])
-
-
-def set_mode(mode, device, backend, monkeypatch):
-    """Pins grad_value's path for `mode`; returns the deterministic flag. The
-    backward does not depend on the forward backend, so the csr path runs
-    with baseline's forward only (CUDA only: the CPU kernel has one path)."""
-    if mode == "csr" and (device != "cuda" or backend != "baseline"):
-        pytest.skip("csr: CUDA backward, tested with the baseline forward")
-    if mode != "det":
-        monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "csr" if mode == "csr" else "atomics")
-    return mode == "det"
+# The fast backward (atomics) and the deterministic one (sort and gather).
+MODES = pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "det"])
 
 
 def nondet_tol(deterministic):
@@ -44,8 +30,7 @@ def nondet_tol(deterministic):
     (2, 6, 3, 8, [(5, 3), (2, 4)], 3),
     (1, 4, 1, 33, [(3, 3), (2, 1), (1, 2)], 1),
 ])
-def test_gradcheck(device, backend, shape, mode, monkeypatch):
-    deterministic = set_mode(mode, device, backend, monkeypatch)
+def test_gradcheck(device, backend, shape, deterministic):
     n, lq, m, d, shapes, p = shape
     value, shapes_t, start, loc, attn = make_inputs(n, lq, m, d, shapes, p, torch.float64,
                                                     device=device, outside=0.2,
@@ -58,11 +43,10 @@ def test_gradcheck(device, backend, shape, mode, monkeypatch):
 
 @MODES
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_gradients_on_pixel_borders(device, backend, mode, monkeypatch):
+def test_gradients_on_pixel_borders(device, backend, deterministic):
     """Locations exactly on pixel centres and the map border: value and weight
     gradients by gradcheck (smooth there), location gradients against the
     reference's (the same one-sided convention: the cell to the lower right)."""
-    deterministic = set_mode(mode, device, backend, monkeypatch)
     shapes = [(6, 8), (3, 4)]
     value, shapes_t, start, _, attn = make_inputs(1, 12, 2, 4, shapes, 2, torch.float64,
                                                   device=device, requires_grad=True)
@@ -84,8 +68,7 @@ def test_gradients_on_pixel_borders(device, backend, mode, monkeypatch):
                          ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("loc_fp32", [False, True], ids=["loc_same", "loc_fp32"])
 @pytest.mark.parametrize("d", [30, 32, 64])
-def test_gradients_match_reference(device, backend, dtype, loc_fp32, d, mode, monkeypatch):
-    deterministic = set_mode(mode, device, backend, monkeypatch)
+def test_gradients_match_reference(device, backend, dtype, loc_fp32, d, deterministic):
     loc_dtype = torch.float32 if loc_fp32 else dtype
     inputs = make_inputs(2, 37, 4, d, [(9, 11), (5, 6), (3, 3)], 4, dtype, loc_dtype,
                          device=device, requires_grad=True)
@@ -114,8 +97,7 @@ def test_double_backward_raises(device, backend):
 
 @MODES
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_backward_empty(device, backend, mode, monkeypatch):
-    deterministic = set_mode(mode, device, backend, monkeypatch)
+def test_backward_empty(device, backend, deterministic):
     value, shapes, start, loc, attn = make_inputs(2, 3, 2, 8, [(3, 3)], 2, torch.float32,
                                                   device=device)
     loc = loc[:, :0].requires_grad_()
@@ -180,41 +162,3 @@ def test_deterministic_follows_torch_flag(device, backend):
         torch.use_deterministic_algorithms(before)
     for a, b in zip(explicit, implicit):
         assert torch.equal(_bits(a), _bits(b))
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
-                         ids=["float32", "bfloat16", "float64"])
-@pytest.mark.parametrize("case", ["crowded", "sparse"])
-def test_csr_path_matches_atomics(dtype, case, monkeypatch):
-    """The per-row lists (backward_csr.cu) against the dense atomics: crowded
-    cells (hundreds of additions a row, NaN, borders, outside) and a
-    decoder-like sparse case (most rows get nothing and must be written 0)."""
-    if case == "crowded":
-        inputs = _crowded_inputs("cuda", dtype)
-    else:
-        inputs = make_inputs(2, 7, 8, 32, [(40, 50), (20, 25), (5, 6)], 4, dtype, torch.float32,
-                             device="cuda", outside=0.3, requires_grad=True)
-    value, shapes, start, loc, attn = inputs
-    grad = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3],
-                       dtype=dtype, device="cuda")
-    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "csr")
-    csr = _grads("baseline", inputs, grad, False)
-    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "atomics")
-    dense = _grads("baseline", inputs, grad, False)
-    ref = reference64_grads(value, shapes, start, loc, attn, grad)
-    for name, a, b, r in zip(("value", "locations", "weights"), csr, dense, ref):
-        assert rel_err(a, b.double()) <= TOL[dtype], name
-        assert rel_err(a, r) <= TOL[dtype], name
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_grad_value_env_rejects_unknown_path(monkeypatch):
-    inputs = make_inputs(1, 4, 2, 8, [(3, 3)], 2, torch.float32, device="cuda",
-                         requires_grad=True)
-    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "sparse")
-    out = op("baseline")(*inputs)
-    with pytest.raises(RuntimeError, match="MS_DEFORM_ATTN_GRAD_VALUE must be 'csr', 'atomics'"):
-        out.sum().backward()

@@ -73,6 +73,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);
 }
 
+constexpr int kBatch = 4;
+
 template <typename T, int VEC, bool kMulti, typename Id>
 __global__ void __launch_bounds__(kThreads)
     value_grad_gather(const BackwardParams p, const Id* __restrict__ rows,
@@ -111,11 +113,34 @@ __global__ void __launch_bounds__(kThreads)
       for (int k = 0; k < 4; ++k) {
         const int64_t cell =
             int64_t(cell_key(nm, p.cell_stride, cell_base[l], y - (k >> 1), x - (k & 1), lv.W));
-        add_scaled_rows<T, VEC>(acc, cell_start[cell], cell_start[cell + 1], gout + c, pb.D,
-                                [&](int64_t j, A& scale, int64_t& row) {
-                                  scale = wts[4 * j + k];
-                                  row = static_cast<int64_t>(rows[j]);
-                                });
+        const int64_t end = cell_start[cell + 1];
+        // kBatch entries at a time, their loads issued before any is used:
+        // the walk is bound by load latency, not by arithmetic.
+        for (int64_t j0 = cell_start[cell]; j0 < end; j0 += kBatch) {
+          A scale[kBatch];
+          int64_t row[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const bool ok = j0 + u < end;
+            scale[u] = ok ? wts[4 * (j0 + u) + k] : A(0);
+            row[u] = ok ? static_cast<int64_t>(rows[j0 + u]) : int64_t(-1);
+          }
+          A go[kBatch][VEC];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (row[u] >= 0) {
+              load_vec<T, VEC>(gout + row[u] * pb.D + c, go[u]);
+            } else {
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) go[u][e] = A(0);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) acc[e] += scale[u] * go[u][e];
+          }
+        }
       }
     }
     store_vec<T, VEC>(out + c, acc);

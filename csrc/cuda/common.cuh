@@ -128,44 +128,6 @@ __device__ __forceinline__ void atomic_add_vec(double* p, const double (&v)[VEC]
   for (int i = 0; i < VEC; ++i) atomicAdd(p + i, v[i]);
 }
 
-// The gathers of grad_value (deterministic and sparse paths): acc += the sum
-// over entries j in [begin, end) of scale_j * grad_output[row_j][c, c + VEC),
-// where entry(j, scale, row) gives entry j and gout_c points at channel c of
-// grad_output row 0 (rows D elements apart). kGatherBatch entries at a time,
-// their loads issued before any is used: the walk is bound by load latency,
-// not by arithmetic.
-constexpr int kGatherBatch = 4;
-
-template <typename T, int VEC, typename A, typename Entry>
-__device__ __forceinline__ void add_scaled_rows(A (&acc)[VEC], int64_t begin, int64_t end,
-                                                const T* gout_c, int64_t D, Entry&& entry) {
-  for (int64_t j0 = begin; j0 < end; j0 += kGatherBatch) {
-    A scale[kGatherBatch];
-    int64_t row[kGatherBatch];
-#pragma unroll
-    for (int u = 0; u < kGatherBatch; ++u) {
-      scale[u] = A(0);
-      row[u] = -1;
-      if (j0 + u < end) entry(j0 + u, scale[u], row[u]);
-    }
-    A go[kGatherBatch][VEC];
-#pragma unroll
-    for (int u = 0; u < kGatherBatch; ++u) {
-      if (row[u] >= 0) {
-        load_vec<T, VEC>(gout_c + row[u] * D, go[u]);
-      } else {
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) go[u][e] = A(0);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kGatherBatch; ++u) {
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] += scale[u] * go[u][e];
-    }
-  }
-}
-
 // A sampling location (x, y), converted to the accumulation type A.
 template <typename A, typename LT>
 __device__ __forceinline__ void load_xy(const LT* p, A (&xy)[2]) {

@@ -48,20 +48,4 @@ cudaError_t deterministic_temp_bytes(const DeterministicBuffers& b, size_t& byte
 cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,
                                      cudaStream_t stream);
 
-// Sparse grad_value for the fast path (backward_csr.cu), after backward()
-// ran with grad_value_acc null (grad of locations and weights only). One
-// scratch buffer holds everything it needs; csr_scratch_bytes() sizes it and
-// fills rows and corners. Needs rows and corners below 2^32 - 1 and
-// N * Lq * M below 2^32 (the binding checks).
-struct CsrBuffers {
-  int64_t rows = 0;          // value rows: N * S * M
-  int64_t corners = 0;       // 4 * N * Lq * M * L * P
-  void* scratch = nullptr;   // scratch_bytes long
-  size_t scratch_bytes = 0;
-  void* grad_value = nullptr;  // (N, S, M, D) in the value's dtype, written completely
-  int vec = 1;               // elements per vector access of the gather (16 / sizeof(T) or 1)
-};
-cudaError_t csr_scratch_bytes(const Problem& pb, CsrBuffers& b);
-cudaError_t csr_value_grad(const BackwardParams& p, const CsrBuffers& b, cudaStream_t stream);
-
 }  // namespace msda::cuda

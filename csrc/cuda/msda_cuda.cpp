@@ -6,8 +6,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 
@@ -254,44 +252,6 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   return grad_value;
 }
 
-// grad_value as lists of additions per value row (backward_csr.cu) instead
-// of atomics into a dense fp32 accumulator, when the map is large for the
-// samples (the decoders): at most kCsrRatio corners per value row.
-// MS_DEFORM_ATTN_GRAD_VALUE = "csr" or "atomics" forces one (tests,
-// benchmarks); the lists need 32-bit row and entry numbers.
-constexpr int64_t kCsrRatio = 8;
-
-bool use_csr(const Problem& pb) {
-  const int64_t rows = pb.N * pb.S * pb.M;
-  const int64_t corners = 4 * pb.N * pb.Lq * pb.M * pb.L * pb.P;
-  const bool fits = rows < int64_t(UINT32_MAX) && corners < int64_t(UINT32_MAX) &&
-                    pb.N * pb.Lq * pb.M <= int64_t(UINT32_MAX);
-  const char* env = std::getenv("MS_DEFORM_ATTN_GRAD_VALUE");
-  const std::string mode = env == nullptr ? "" : env;
-  TORCH_CHECK(mode.empty() || mode == "csr" || mode == "atomics",
-              "ms_deform_attn: MS_DEFORM_ATTN_GRAD_VALUE must be 'csr', 'atomics' or unset, got '",
-              mode, "'");
-  if (!fits || mode == "atomics") return false;
-  return mode == "csr" || corners <= kCsrRatio * rows;
-}
-
-at::Tensor csr_grad_value(BackwardParams p, const Prepared& in, cudaStream_t stream) {
-  const auto& pb = in.pb;
-  p.grad_value_acc = nullptr;  // grad of locations and weights only
-  if (pb.N * pb.Lq * pb.M > 0) C10_CUDA_CHECK(cuda::backward(p, stream));
-  cuda::CsrBuffers b;
-  C10_CUDA_CHECK(cuda::csr_scratch_bytes(pb, b));
-  at::Tensor scratch = at::empty({int64_t(std::max<size_t>(b.scratch_bytes, 1))},
-                                 in.value.options().dtype(at::kByte));
-  b.scratch = scratch.data_ptr();
-  at::Tensor grad_value = new_output(in.value.sizes(), in.value.options());
-  b.grad_value = grad_value.data_ptr();
-  const int64_t elem = in.value.element_size();
-  b.vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.grad_out, b.grad_value});
-  C10_CUDA_CHECK(cuda::csr_value_grad(p, b, stream));
-  return grad_value;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
@@ -312,16 +272,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   p.grad_out = gout.data_ptr();
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
-  const bool csr = !deterministic && use_csr(pb);
   // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
   // atomics, 32 bytes without (see backward.cu).
-  const int want = (vt == at::kDouble ? 2 : 4) * (deterministic || csr ? 2 : 1);
+  const int want = (vt == at::kDouble ? 2 : 4) * (deterministic ? 2 : 1);
   p.vec = pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
   at::Tensor grad_value;
   if (deterministic) {
     grad_value = deterministic_grad_value(p, in, stream);
-  } else if (csr) {
-    grad_value = csr_grad_value(p, in, stream);
   } else {
     auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
     if (pb.N * pb.Lq * pb.M > 0) {
