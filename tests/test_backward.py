@@ -162,28 +162,3 @@ def test_deterministic_follows_torch_flag(device, backend):
         torch.use_deterministic_algorithms(before)
     for a, b in zip(explicit, implicit):
         assert torch.equal(_bits(a), _bits(b))
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-@pytest.mark.parametrize("budget", ["1", "0"], ids=["one_batch_a_chunk", "one_chunk"])
-def test_backward_in_batch_chunks(budget, monkeypatch):
-    """The fast path's batch chunks (MS_DEFORM_ATTN_BWD_CHUNK_BYTES): one
-    batch at a time (every pointer offset by the chunk) and all at once give
-    the reference's gradients; gradcheck in float64, bf16 against float64."""
-    monkeypatch.setenv("MS_DEFORM_ATTN_BWD_CHUNK_BYTES", budget)
-    value, shapes, start, loc, attn = make_inputs(3, 5, 2, 4, [(4, 5), (2, 3)], 2, torch.float64,
-                                                  device="cuda", outside=0.2, requires_grad=True)
-    f = op("baseline", False)
-    assert torch.autograd.gradcheck(lambda v, l, a: f(v, shapes, start, l, a),
-                                    (value, loc, attn), eps=1e-6, atol=1e-7,
-                                    nondet_tol=nondet_tol(False))
-    inputs = make_inputs(3, 37, 4, 32, [(9, 11), (5, 6)], 4, torch.bfloat16, torch.float32,
-                         device="cuda", requires_grad=True)
-    value, shapes, start, loc, attn = inputs
-    out = f(*inputs)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (value, loc, attn), grad)
-    ref = reference64_grads(value, shapes, start, loc, attn, grad)
-    for name, g, r, src in zip(("value", "locations", "weights"), grads, ref, (value, loc, attn)):
-        assert rel_err(g, r) <= TOL[src.dtype], name

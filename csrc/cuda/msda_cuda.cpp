@@ -8,7 +8,6 @@
 
 #include <cstdlib>
 #include <sstream>
-#include <type_traits>
 
 #include "../prepare.h"
 #include "launch.h"
@@ -253,48 +252,6 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   return grad_value;
 }
 
-// The dense grad_value path runs over the batch in chunks whose fp32
-// accumulator fits in L2 (fill, atomics and conversion of one chunk back to
-// back), instead of filling the whole accumulator first: a map larger than L2
-// (dino_dec, rtdetr_dec) otherwise sends every atomic's line to DRAM and back.
-// MS_DEFORM_ATTN_BWD_CHUNK_BYTES overrides the chunk's accumulator budget
-// (0: one chunk; tests and benchmarks).
-int64_t batches_per_chunk(const Problem& pb, int64_t acc_elem) {
-  int64_t budget = int64_t(24) << 20;
-  if (const char* env = std::getenv("MS_DEFORM_ATTN_BWD_CHUNK_BYTES")) budget = std::atoll(env);
-  const int64_t per_batch = pb.S * pb.M * pb.D * acc_elem;
-  if (budget <= 0 || per_batch <= 0) return std::max<int64_t>(pb.N, 1);
-  return std::clamp<int64_t>(budget / per_batch, 1, std::max<int64_t>(pb.N, 1));
-}
-
-template <typename V>
-V* byte_offset(V* ptr, int64_t bytes) {
-  using Byte = std::conditional_t<std::is_const_v<V>, const char, char>;
-  return static_cast<V*>(static_cast<Byte*>(ptr) + bytes);
-}
-
-// p narrowed to batches [n0, n0 + count): every tensor is batch-major and
-// contiguous, so the kernels see a smaller problem at offset pointers.
-BackwardParams batch_slice(const BackwardParams& p, const Prepared& in, int64_t n0, int64_t count,
-                           int64_t acc_elem) {
-  const Problem& pb = in.pb;
-  auto shift = [n0](auto* ptr, int64_t per_batch_bytes) {
-    return byte_offset(ptr, n0 * per_batch_bytes);
-  };
-  const int64_t value_b = pb.S * pb.M * pb.D * in.value.element_size();
-  const int64_t rows_b = pb.Lq * pb.M * pb.L * pb.P;  // loc / attn entries per batch
-  BackwardParams q = p;
-  q.pb.N = count;
-  q.value = shift(p.value, value_b);
-  q.loc = shift(p.loc, 2 * rows_b * in.loc.element_size());
-  q.attn = shift(p.attn, rows_b * in.attn.element_size());
-  q.grad_out = shift(p.grad_out, pb.Lq * pb.M * pb.D * in.value.element_size());
-  q.grad_loc = shift(p.grad_loc, 2 * rows_b * in.loc.element_size());
-  q.grad_attn = shift(p.grad_attn, rows_b * in.attn.element_size());
-  q.grad_value_acc = shift(p.grad_value_acc, pb.S * pb.M * pb.D * acc_elem);
-  return q;
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
@@ -323,18 +280,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   if (deterministic) {
     grad_value = deterministic_grad_value(p, in, stream);
   } else {
-    auto grad_value_acc = at::empty(in.value.sizes(), in.value.options().dtype(acc_type));
-    grad_value = vt == acc_type ? grad_value_acc : new_output(in.value.sizes(), in.value.options());
-    p.grad_value_acc = grad_value_acc.data_ptr();
-    const int64_t acc_elem = grad_value_acc.element_size();
-    const int64_t chunk = batches_per_chunk(pb, acc_elem);
-    for (int64_t n0 = 0; n0 < pb.N; n0 += chunk) {
-      const int64_t count = std::min(chunk, pb.N - n0);
-      auto acc = grad_value_acc.narrow(0, n0, count);
-      acc.zero_();
-      if (pb.Lq * pb.M > 0) C10_CUDA_CHECK(cuda::backward(batch_slice(p, in, n0, count, acc_elem), stream));
-      if (vt != acc_type) grad_value.narrow(0, n0, count).copy_(acc);
+    auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
+    if (pb.N * pb.Lq * pb.M > 0) {
+      p.grad_value_acc = grad_value_acc.data_ptr();
+      C10_CUDA_CHECK(cuda::backward(p, stream));
     }
+    grad_value = grad_value_acc.to(vt);
   }
   return {grad_value, grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
 }
