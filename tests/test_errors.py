@@ -204,3 +204,10 @@ def test_bad_shapes_on_device_never_read_out_of_bounds():
     out = msda.ms_deform_attn(value, huge, start, loc, attn)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
+    # The backward too, on both grad_value paths.
+    inputs = [t.detach().requires_grad_() for t in (value, loc, attn)]
+    for deterministic in (False, True):
+        out = msda.ms_deform_attn(inputs[0], huge, start, *inputs[1:], deterministic=deterministic)
+        grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(g).all() for g in grads)

@@ -50,10 +50,8 @@ template <typename T, int VEC, typename A>
 __device__ __forceinline__ void corner_grads(const T* vl, unsigned vstride, A* gv, uint64_t gstride,
                                              const Bilinear<A>& b, const Level& lv, A w,
                                              const A (&go)[VEC], A& g_attn, A& g_lw, A& g_lh) {
-  const int top = max(b.h0, 0), bottom = min(b.h0 + 1, lv.H - 1);
-  const int left = max(b.w0, 0), right = min(b.w0 + 1, lv.W - 1);
-  const int pix[4] = {top * lv.W + left, top * lv.W + right, bottom * lv.W + left,
-                      bottom * lv.W + right};
+  int pix[4];
+  clamped_corners(b, lv.H, lv.W, pix);
   A v[4][VEC];
 #pragma unroll
   for (int k = 0; k < 4; ++k) load_vec<T, VEC>(pixel_ptr(vl, pix[k], vstride), v[k]);
@@ -136,36 +134,37 @@ __global__ void __launch_bounds__(kThreads)
     const int i = i0 + step;
     if (i == (l + 1) * pb.P && l + 1 < pb.L) ++l;  // level-major: at most one step a sample
     const bool live = active && i < i1;
-    {
-      const Level lv = levels[l];
-      const int64_t lbase = lv.start * row_stride;
-      A xy[2] = {A(-2), A(-2)};  // outside: inactive threads sample nothing
-      A w = A(0);
-      if (live) {
-        load_xy(loc + 2 * i, xy);
-        w = to_acc(attn[i]);
+    const Level lv = levels[l];
+    const int64_t lbase = lv.start * row_stride;
+    A xy[2] = {A(-2), A(-2)};  // outside: inactive threads sample nothing
+    A w = A(0);
+    if (live) {
+      load_xy(loc + 2 * i, xy);
+      w = to_acc(attn[i]);
+    }
+    const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
+    // A level load_levels() emptied samples nothing (make_bilinear calls a
+    // 0 x 0 map's centre "inside", and its clamped corners would be pixel -1).
+    const bool inside = b.inside && lv.H > 0;
+    A g_attn = A(0), g_lw = A(0), g_lh = A(0);
+    if (inside) {
+      const T* vl = vbase + lbase;
+      A* gl = value_grad ? gvbase + lbase : nullptr;
+      for (int64_t c = c0; c < pb.D; c += cstep) {
+        if (kMulti) load_vec<T, VEC>(gout + c, go);
+        corner_grads<T, VEC>(vl + c, vstride, value_grad ? gl + c : nullptr, gstride, b, lv, w,
+                             go, g_attn, g_lw, g_lh);
+        if (!kMulti) break;
       }
-      const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
-      A g_attn = A(0), g_lw = A(0), g_lh = A(0);
-      if (b.inside) {
-        const T* vl = vbase + lbase;
-        A* gl = value_grad ? gvbase + lbase : nullptr;
-        for (int64_t c = c0; c < pb.D; c += cstep) {
-          if (kMulti) load_vec<T, VEC>(gout + c, go);
-          corner_grads<T, VEC>(vl + c, vstride, value_grad ? gl + c : nullptr, gstride, b, lv, w,
-                               go, g_attn, g_lw, g_lh);
-          if (!kMulti) break;
-        }
-      }
-      g_attn = group_sum(g_attn, lanes);
-      g_lw = group_sum(g_lw, lanes);
-      g_lh = group_sum(g_lh, lanes);
-      if (live && lane == 0) {
-        if (keys) write_key(p, group * LP + i, b.inside && lv.H > 0, m + n * pb.M, cell_base[l], b, lv.W);
-        gattn[i] = from_acc<LT>(acc_t<LT>(g_attn));
-        gloc[2 * i] = from_acc<LT>(acc_t<LT>(w * g_lw * A(lv.W)));
-        gloc[2 * i + 1] = from_acc<LT>(acc_t<LT>(w * g_lh * A(lv.H)));
-      }
+    }
+    g_attn = group_sum(g_attn, lanes);
+    g_lw = group_sum(g_lw, lanes);
+    g_lh = group_sum(g_lh, lanes);
+    if (live && lane == 0) {
+      if (keys) write_key(p, group * LP + i, inside, m + n * pb.M, cell_base[l], b, lv.W);
+      gattn[i] = from_acc<LT>(acc_t<LT>(g_attn));
+      gloc[2 * i] = from_acc<LT>(acc_t<LT>(w * g_lw * A(lv.W)));
+      gloc[2 * i + 1] = from_acc<LT>(acc_t<LT>(w * g_lh * A(lv.H)));
     }
   }
 }

@@ -147,6 +147,27 @@ __device__ __forceinline__ const T* pixel_ptr(const T* base, int pix, unsigned s
   return reinterpret_cast<const T*>(addr);
 }
 
+// ---- corners ------------------------------------------------------------------
+// The four corners of sample b, clamped into its H x W level (H, W >= 1) so
+// that all four can be loaded unconditionally, numbered by index(row, col)
+// (the row-major pixel by default); b.corner_ok() says which are real. One
+// definition for the forward gathers and the backward.
+template <typename A, typename Index>
+__device__ __forceinline__ void clamped_corners(const Bilinear<A>& b, int H, int W, Index&& index,
+                                                int (&pix)[4]) {
+  const int top = max(b.h0, 0), bottom = min(b.h0 + 1, H - 1);
+  const int left = max(b.w0, 0), right = min(b.w0 + 1, W - 1);
+  pix[0] = index(top, left);
+  pix[1] = index(top, right);
+  pix[2] = index(bottom, left);
+  pix[3] = index(bottom, right);
+}
+
+template <typename A>
+__device__ __forceinline__ void clamped_corners(const Bilinear<A>& b, int H, int W, int (&pix)[4]) {
+  clamped_corners(b, H, W, [W](int row, int col) { return row * W + col; }, pix);
+}
+
 // ---- per-query rows ---------------------------------------------------------
 // Locations and weights of one (n, q, m) group (flattened as in sampling.h):
 // L * P points each, for forward and backward params alike.

@@ -57,13 +57,8 @@ constexpr int kNoSample = -1;
 template <typename A, typename Index>
 __device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W, Index&& index) {
   const auto b = make_bilinear<A>(x, y, H, W);
-  const int top = max(b.h0, 0), bottom = min(b.h0 + 1, H - 1);
-  const int left = max(b.w0, 0), right = min(b.w0 + 1, W - 1);
   Corners<A> c;
-  c.pix[0] = index(top, left);
-  c.pix[1] = index(top, right);
-  c.pix[2] = index(bottom, left);
-  c.pix[3] = index(bottom, right);
+  clamped_corners(b, H, W, index, c.pix);
 #pragma unroll
   for (int k = 0; k < 4; ++k) c.w[k] = b.corner_ok(k, H, W) ? w * b.weight(k) : A(0);
   if (!b.inside) c.pix[0] = kNoSample;
