@@ -138,18 +138,22 @@ std::string unknown(const std::string& name) {
   return "unknown backend '" + name + "'; expected 'auto' or one of " + known_names();
 }
 
+// Why backend b cannot run pb on `device` ("" when it can).
+std::string why_not(const CudaBackend& b, const Problem& pb, int device) {
+  const auto& pr = props(resolve_device(device));
+  std::string why = b.device_reason(pr);
+  return why.empty() ? b.problem_reason(pb, pr) : why;
+}
+
 std::string reason(const std::string& name, const Problem& pb, int device) {
   const CudaBackend* b = find(name);
-  if (b == nullptr) return unknown(name);
-  const auto& pr = props(resolve_device(device));
-  std::string why = b->device_reason(pr);
-  return why.empty() ? b->problem_reason(pb, pr) : why;
+  return b == nullptr ? unknown(name) : why_not(*b, pb, device);
 }
 
 const CudaBackend& find_runnable(const std::string& name, const Problem& pb, int device) {
   const CudaBackend* b = find(name);
   TORCH_CHECK(b != nullptr, "ms_deform_attn: ", unknown(name));
-  const std::string why = reason(name, pb, device);
+  const std::string why = why_not(*b, pb, device);
   TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
   return *b;
 }

@@ -246,18 +246,21 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
 
   int64_t item = blockIdx.x;
+  // This thread's query of the current item and of the next one, each
+  // decoded once (the next becomes the current in the loop's increment).
+  QueryOf w{0, 0, -1}, w_next{0, 0, -1};
   if (item < tp.items) {
-    const QueryOf w = query_of(tp, item, qi);
+    w = query_of(tp, item, qi);
     footprint(pb, levels, loc_of(w), w.q >= 0, lane, lanes, boxes[0].sums);
   }
   __syncthreads();
   if (threadIdx.x == 0 && item < tp.items) issue(item, 0);
-  for (int k = 0; item < tp.items; ++k, item += gridDim.x) {
+  for (int k = 0; item < tp.items; ++k, item += gridDim.x, w = w_next) {
     const int s = k & 1;
     const int64_t next = item + gridDim.x;
     if (next < tp.items) {
-      const QueryOf w = query_of(tp, next, qi);
-      footprint(pb, levels, loc_of(w), w.q >= 0, lane, lanes, boxes[s ^ 1].sums);
+      w_next = query_of(tp, next, qi);
+      footprint(pb, levels, loc_of(w_next), w_next.q >= 0, lane, lanes, boxes[s ^ 1].sums);
     }
     // The next item's sums are complete, and every thread is done with stage
     // s ^ 1 (item k - 1): its copies may start.
@@ -265,7 +268,6 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     if (threadIdx.x == 0 && next < tp.items) issue(next, s ^ 1);
     mbar_wait(&bars[s], (k >> 1) & 1);
 
-    const QueryOf w = query_of(tp, item, qi);
     if (w.q < 0) continue;  // whole groups: the group's lanes agree
     const int64_t group = (w.n * pb.Lq + w.q) * pb.M + w.m;
     const auto [loc, attn] = query_row<LT>(p, group);
