@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kThreads)
 constexpr int kBatch = 4;
 
 template <typename T, int VEC, bool kMulti, typename Id>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)
     value_grad_gather(const BackwardParams p, const Id* __restrict__ rows,
                       const acc_t<T>* __restrict__ wts, const int64_t* __restrict__ cell_start,
                       T* __restrict__ grad_value, const int lanes) {
@@ -108,15 +108,26 @@ __global__ void __launch_bounds__(kThreads)
       const int pix = static_cast<int>(s - lv.start);
       const int y = pix / lv.W, x = pix % lv.W;
       const int64_t nm = n * pb.M + m;
-      // This pixel is corner k of cell (y - (k >> 1), x - (k & 1)).
+      // This pixel is corner k of cell (y - (k >> 1), x - (k & 1)). Cells
+      // (r, x - 1) and (r, x) have consecutive keys, so the bounds of all
+      // four cells are six starts, loaded together before any walk: most
+      // decoder pixels have no sample at all, and then those loads are all
+      // the pixel waits for (one round trip instead of four).
+      int64_t bound[2][3];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t first = int64_t(cell_key(nm, p.cell_stride, cell_base[l], y - r, x - 1, lv.W));
+#pragma unroll
+        for (int i = 0; i < 3; ++i) bound[r][i] = cell_start[first + i];
+      }
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        const int64_t cell =
-            int64_t(cell_key(nm, p.cell_stride, cell_base[l], y - (k >> 1), x - (k & 1), lv.W));
-        const int64_t end = cell_start[cell + 1];
+        const int64_t* b = bound[k >> 1];
+        const int i = 1 - (k & 1);  // cell (., x - (k & 1)) is bound i of its row
+        const int64_t end = b[i + 1];
         // kBatch entries at a time, their loads issued before any is used:
         // the walk is bound by load latency, not by arithmetic.
-        for (int64_t j0 = cell_start[cell]; j0 < end; j0 += kBatch) {
+        for (int64_t j0 = b[i]; j0 < end; j0 += kBatch) {
           A scale[kBatch];
           int64_t row[kBatch];
 #pragma unroll
