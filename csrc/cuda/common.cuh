@@ -148,6 +148,13 @@ __device__ __forceinline__ const T* pixel_ptr(const T* base, int pix, unsigned s
 }
 
 // ---- corners ------------------------------------------------------------------
+// The default corner numbering: the row-major pixel of (row, col) in a level
+// W pixels wide.
+struct RowMajor {
+  int W;
+  __device__ __forceinline__ int operator()(int row, int col) const { return row * W + col; }
+};
+
 // The four corners of sample b, clamped into its H x W level (H, W >= 1) so
 // that all four can be loaded unconditionally, numbered by index(row, col)
 // (the row-major pixel by default); b.corner_ok() says which are real. One
@@ -165,7 +172,7 @@ __device__ __forceinline__ void clamped_corners(const Bilinear<A>& b, int H, int
 
 template <typename A>
 __device__ __forceinline__ void clamped_corners(const Bilinear<A>& b, int H, int W, int (&pix)[4]) {
-  clamped_corners(b, H, W, [W](int row, int col) { return row * W + col; }, pix);
+  clamped_corners(b, H, W, RowMajor{W}, pix);
 }
 
 // ---- per-query rows ---------------------------------------------------------

@@ -67,7 +67,7 @@ __device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W
 
 template <typename A>
 __device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W) {
-  return resolve_sample(x, y, w, H, W, [W](int row, int col) { return row * W + col; });
+  return resolve_sample(x, y, w, H, W, RowMajor{W});
 }
 
 // acc += sum_k c.w[k] * value(c.pix[k]) over VEC channels. fetch(pixel, v)
