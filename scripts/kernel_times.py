@@ -1,7 +1,8 @@
 """Per-kernel GPU times of the backward (fast and deterministic) on one
-workload, from torch.profiler: where the backward's time goes.
+workload, from torch.profiler: where the backward's time goes. With a
+backend name as third argument, of that backend's forward instead.
 
-    python scripts/kernel_times.py [workload] [dtype]
+    python scripts/kernel_times.py [workload] [dtype] [forward backend]
 """
 import os
 import sys
@@ -10,6 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+import ms_deform_attn as msda  # noqa: E402
 from ms_deform_attn import workloads as W  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
@@ -19,16 +21,27 @@ inputs = W.make_inputs(W.get(name), dtype, torch.float32, device="cuda")
 grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * inputs[0].shape[3],
                    device="cuda", dtype=dtype)
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
+fwd_backend = sys.argv[3] if len(sys.argv) > 3 else None
 reps = 10
-for det in (False, True):
-    for _ in range(3):
+
+
+def call(det):
+    if fwd_backend:
+        msda.ms_deform_attn(*inputs, backend=fwd_backend, spatial_shapes_list=W.get(name).levels)
+    else:
         bwd(grad, *inputs, det)
+
+
+for det in (False,) if fwd_backend else (False, True):
+    for _ in range(3):
+        call(det)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            bwd(grad, *inputs, det)
+            call(det)
         torch.cuda.synchronize()
-    print(f"== {name} {dname} backward, deterministic={det}: GPU time per call by kernel (us)")
+    what = f"forward ({fwd_backend})" if fwd_backend else f"backward, deterministic={det}"
+    print(f"== {name} {dname} {what}: GPU time per call by kernel (us)")
     total = 0.0
     for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
         if e.device_time_total <= 0:
