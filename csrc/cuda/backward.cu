@@ -6,17 +6,20 @@
 //   whole 128-byte line;
 //   without (deterministic path): VEC = 32 bytes of the accumulator (8
 //   channels, 4 lanes), halving the per-sample work every lane repeats
-//   (location, bilinear weights, shuffle reductions).
+//   (shuffle reductions, corner bookkeeping).
 //   grad_value: fp32 (fp64 for fp64) atomicAdd into a zeroed accumulator,
 //   VEC channels per instruction on sm_90+ (vector atomics);
 //   grad of locations and weights: per-lane partial dot products over
 //   channels, reduced across the group's lanes with warp shuffles, written
-//   once by lane 0 (no atomics).
-// Deterministic path (backward_deterministic.cu): no grad_value here; lane 0
-// writes each sample's cell key and index instead, for the sort.
+//   once per sample (no atomics).
+// Two ways to take a group's samples (backward_kernel's kShared): set up by
+// one lane each and handed round through shared memory (encoders), or set
+// up by every lane (decoders).
+// Deterministic path (backward_deterministic.cu): no grad_value here; each
+// sample's cell key and index are written instead, for the sort.
 #include <algorithm>
 
-#include "common.cuh"
+#include "forward_common.cuh"
 #include "launch.h"
 
 namespace msda::cuda {
@@ -39,56 +42,138 @@ __device__ __forceinline__ void write_key(const BackwardParams& p, int64_t sampl
   }
 }
 
-// One channel slice [c, c + VEC) of sample b (inside level lv): the four
-// corners clamped into the level (so always loadable) and loaded back to
-// back, their dot products with go added to the sample's gradient sums
-// (corners outside the level contribute nothing, as before clamping), and,
-// when `gv` is set, each valid corner's w * weight * go added to grad_value
-// with vector atomics. `vl` / `gv` point at channel c of the level's pixel 0
-// of this (n, m); consecutive pixels are `vstride` / `gstride` bytes apart.
-template <typename T, int VEC, typename A>
-__device__ __forceinline__ void corner_grads(const T* vl, unsigned vstride, A* gv, uint64_t gstride,
-                                             const Bilinear<A>& b, const Level& lv, A w,
-                                             const A (&go)[VEC], A& g_attn, A& g_lw, A& g_lh) {
-  int pix[4];
-  clamped_corners(b, lv.H, lv.W, pix);
-  A v[4][VEC];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) load_vec<T, VEC>(pixel_ptr(vl, pix[k], vstride), v[k]);
+// A round's samples hand their corners through CornerSlots (forward_common.cuh):
+// pix = the clamped corner pixels, inside the level, with a corner outside the
+// map flagged by the sign bit (still loadable as pix & INT32_MAX); w = the
+// weights of grad_value's additions (attention weight x bilinear weight; 0
+// outside). pix[0] == kNoCorners marks a sample that touches nothing (-1 is
+// no flagged pixel: pixels are below INT32_MAX, load_levels).
+constexpr int kNoCorners = -1;
+constexpr int kRound = 8;  // samples a group resolves at once (one a lane)
+
+template <typename A>
+__device__ __forceinline__ Corners<A> backward_corners(const Bilinear<A>& b, const Level& lv, A w) {
+  Corners<A> c;
+  clamped_corners(b, lv.H, lv.W, c.pix);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const bool ok = b.corner_ok(k, lv.H, lv.W);
-    A dot = A(0);
+    c.w[k] = ok ? w * b.weight(k) : A(0);
+    c.pix[k] = ok ? c.pix[k] : c.pix[k] | INT32_MIN;
+  }
+  return c;
+}
+
+// One channel slice [c, c + VEC) of a resolved sample: its four corners
+// loaded back to back, their dot products with go added to dot[k] (the
+// resolving lane masks the corners outside the map), and, when `gv` is set,
+// each corner inside the map gets c.w[k] * go added to grad_value with vector
+// atomics. `vl` / `gv` point at channel c of the level's pixel 0 of this
+// (n, m); consecutive pixels are `vstride` / `gstride` bytes apart.
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void corner_grads(const T* vl, unsigned vstride, A* gv, uint64_t gstride,
+                                             const Corners<A>& c, const A (&go)[VEC], A (&dot)[4]) {
+  A v[4][VEC];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) dot += go[e] * v[k][e];
-    dot = ok ? dot : A(0);
-    const A wk = b.weight(k);
-    g_attn += wk * dot;
-    g_lw += b.dweight_dlw(k) * dot;
-    g_lh += b.dweight_dlh(k) * dot;
-    if (gv != nullptr && ok) {
-      const A scale = w * wk;
+  for (int k = 0; k < 4; ++k) load_vec<T, VEC>(pixel_ptr(vl, c.pix[k] & INT32_MAX, vstride), v[k]);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) dot[k] += go[e] * v[k][e];
+    if (gv != nullptr && c.pix[k] >= 0) {
       A add[VEC];
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) add[e] = scale * go[e];
+      for (int e = 0; e < VEC; ++e) add[e] = c.w[k] * go[e];
       // Byte arithmetic on the pointer itself (not an integer), so that the
       // compiler still knows it is global memory and emits REDG.
       A* dst = reinterpret_cast<A*>(reinterpret_cast<char*>(gv) +
-                                    static_cast<uint64_t>(static_cast<unsigned>(pix[k])) * gstride);
+                                    static_cast<uint64_t>(static_cast<unsigned>(c.pix[k])) * gstride);
       atomic_add_vec<VEC>(dst, add);
     }
   }
 }
 
+// A sample of one group resolved: its level, bilinear footprint and weight.
+template <typename A>
+struct BackwardSample {
+  Bilinear<A> b{};
+  Level lv{0, 0, 0};
+  A w = A(0);
+  bool inside = false;  // the footprint touches the map
+};
+
+template <typename A, typename LT>
+__device__ __forceinline__ BackwardSample<A> load_sample(const LT* loc, const LT* attn, int i,
+                                                         const Level& lv) {
+  BackwardSample<A> s;
+  s.lv = lv;
+  A xy[2];
+  load_xy(loc + 2 * i, xy);
+  s.w = to_acc(attn[i]);
+  s.b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
+  // A level load_levels() emptied samples nothing (make_bilinear calls a 0 x 0
+  // map's centre "inside", and its clamped corners would be pixel -1).
+  s.inside = s.b.inside && lv.H > 0;
+  return s;
+}
+
+// d out / d attention weight and d out / d (lw, lh) of sample s from its four
+// corner dots with grad_output (corners outside the map count nothing).
+// Linear in the dots: partial dots give partial sums.
+template <typename A>
+__device__ __forceinline__ void sample_grads(const BackwardSample<A>& s, const A (&dot)[4],
+                                             A (&g)[3]) {
+  g[0] = g[1] = g[2] = A(0);
+  if (!s.inside) return;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const A d = s.b.corner_ok(k, s.lv.H, s.lv.W) ? dot[k] : A(0);
+    g[0] += s.b.weight(k) * d;
+    g[1] += s.b.dweight_dlw(k) * d;
+    g[2] += s.b.dweight_dlh(k) * d;
+  }
+}
+
+// Writes the attention weight and location gradients of sample i of group
+// `group` (g summed over the group) and, on the deterministic path, its cell
+// key (level_base = its level's first cell).
+template <typename A, typename LT>
+__device__ __forceinline__ void write_grads(const BackwardParams& p, const BackwardSample<A>& s,
+                                            const A (&g)[3], int64_t group, int i,
+                                            int64_t level_base) {
+  const int64_t sample = group * p.pb.L * p.pb.P + i;
+  if (p.cell_keys != nullptr) {
+    const int64_t nm = group / (p.pb.Lq * p.pb.M) * p.pb.M + group % p.pb.M;
+    write_key(p, sample, s.inside, nm, level_base, s.b, s.lv.W);
+  }
+  static_cast<LT*>(p.grad_attn)[sample] = from_acc<LT>(acc_t<LT>(g[0]));
+  LT* gloc = static_cast<LT*>(p.grad_loc) + sample * 2;
+  gloc[0] = from_acc<LT>(acc_t<LT>(s.w * g[1] * A(s.lv.W)));
+  gloc[1] = from_acc<LT>(acc_t<LT>(s.w * g[2] * A(s.lv.H)));
+}
+
 // kMulti: D spans more than one pass of the group's lanes (D > 32 * VEC), so
 // grad_output is re-read per pass instead of being kept in registers.
-template <typename T, typename LT, int VEC, bool kMulti>
+//
+// kShared (a task is a whole group's samples: the groups alone fill the GPU,
+// the encoders): samples go in rounds of R = min(lanes, kRound); lane j of a
+// group resolves sample r0 + j (location, weight, bilinear footprint) into
+// its slot; the group then takes the round's samples one after the other
+// from the slots (corner loads, dot products, atomics, one group sum of the
+// four corner dots); the resolving lane keeps its sample's dots and writes
+// its gradients. So the set-up runs once a sample, not once a lane.
+// !kShared (tasks of a few samples: the decoders): every lane resolves each
+// sample itself and the group sums the three gradients, which keeps the
+// samples of a lane independent of the other lanes' (measured faster there:
+// fewer registers, no resolve-then-gather chain; benchmarks/NOTES.md).
+template <typename T, typename LT, int VEC, bool kMulti, bool kShared>
 __global__ void __launch_bounds__(kThreads)
     backward_kernel(const BackwardParams p, const int lanes, const int chunk) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cell_base[kMaxLevels];
+  __shared__ __align__(16) unsigned char slot_mem[kShared ? CornerSlots<A>::kBytesPerThread * kThreads : 16];
   const bool keys = p.cell_keys != nullptr;  // uniform: deterministic path
   const bool value_grad = p.grad_value_acc != nullptr;
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, keys);
@@ -110,11 +195,9 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t gstride = static_cast<uint64_t>(row_stride) * sizeof(A);
   const int64_t vrow0 = value_row(n, 0, m, pb.S, pb.M) * pb.D;
   const T* vbase = static_cast<const T*>(p.value) + vrow0;
-  A* gvbase = static_cast<A*>(p.grad_value_acc) + vrow0;
+  A* gvbase = value_grad ? static_cast<A*>(p.grad_value_acc) + vrow0 : nullptr;
   const auto [loc, attn] = query_row<LT>(p, group);
   const T* gout = static_cast<const T*>(p.grad_out) + group * pb.D;
-  LT* gloc = static_cast<LT*>(p.grad_loc) + group * LP * 2;
-  LT* gattn = static_cast<LT*>(p.grad_attn) + group * LP;
 
   const int64_t c0 = int64_t(lane) * VEC;
   const int64_t cstep = int64_t(lanes) * VEC;
@@ -127,44 +210,75 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < VEC; ++e) go[e] = A(0);
     }
   }
-
-  // Every thread runs `chunk` iterations (the group sums shuffle across the
-  // whole warp); samples past the group's last one are inactive.
-  for (int step = 0, l = i0 / pb.P; step < chunk; ++step) {
-    const int i = i0 + step;
-    if (i == (l + 1) * pb.P && l + 1 < pb.L) ++l;  // level-major: at most one step a sample
-    const bool live = active && i < i1;
-    const Level lv = levels[l];
-    const int64_t lbase = lv.start * row_stride;
-    A xy[2] = {A(-2), A(-2)};  // outside: inactive threads sample nothing
-    A w = A(0);
-    if (live) {
-      load_xy(loc + 2 * i, xy);
-      w = to_acc(attn[i]);
+  // Adds this lane's channel slices of sample c (on level l) into dot.
+  auto gather = [&](const Corners<A>& c, int l, A(&dot)[4]) {
+    const int64_t lbase = levels[l].start * row_stride;
+    for (int64_t ch = c0; ch < pb.D; ch += cstep) {
+      if (kMulti) load_vec<T, VEC>(gout + ch, go);
+      corner_grads<T, VEC>(vbase + lbase + ch, vstride,
+                           value_grad ? gvbase + lbase + ch : nullptr, gstride, c, go, dot);
+      if (!kMulti) break;
     }
-    const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
-    // A level load_levels() emptied samples nothing (make_bilinear calls a
-    // 0 x 0 map's centre "inside", and its clamped corners would be pixel -1).
-    const bool inside = b.inside && lv.H > 0;
-    A g_attn = A(0), g_lw = A(0), g_lh = A(0);
-    if (inside) {
-      const T* vl = vbase + lbase;
-      A* gl = value_grad ? gvbase + lbase : nullptr;
-      for (int64_t c = c0; c < pb.D; c += cstep) {
-        if (kMulti) load_vec<T, VEC>(gout + c, go);
-        corner_grads<T, VEC>(vl + c, vstride, value_grad ? gl + c : nullptr, gstride, b, lv, w,
-                             go, g_attn, g_lw, g_lh);
-        if (!kMulti) break;
+  };
+
+  if constexpr (kShared) {
+    const GroupLanes g = group_lanes(lane, lanes);
+    CornerSlots<A> slots(slot_mem, kThreads);
+    // Every thread runs the same rounds and steps (the group sums shuffle
+    // across the whole warp); samples past the group's last one are inactive.
+    const int R = min(lanes, kRound);
+    for (int r0 = i0; r0 < i1; r0 += R) {
+      // Resolve: lane j < R takes sample r0 + j.
+      const int i = r0 + lane;
+      const bool live = active && lane < R && i < i1;
+      const int l = i / pb.P;
+      BackwardSample<A> s;
+      if (live) s = load_sample<A>(loc, attn, i, levels[l]);
+      if (lane < R) {
+        Corners<A> c{{kNoCorners, kNoCorners, kNoCorners, kNoCorners}, {A(0), A(0), A(0), A(0)}};
+        if (s.inside) c = backward_corners(s.b, s.lv, s.w);
+        slots.put(g.slot(lane), c);
+      }
+      __syncwarp(g.mask);
+      // Gather: the round's samples one after the other.
+      A mine[4] = {A(0), A(0), A(0), A(0)};  // this lane's own sample's corner dots
+      const int steps = min(R, i1 - r0);      // uniform: every group's task is all LP samples
+      for (int j = 0, lj = r0 / pb.P; j < steps; ++j) {
+        const int ij = r0 + j;
+        if (j > 0 && ij == (lj + 1) * pb.P) ++lj;  // level-major: at most one step a sample
+        A dot[4] = {A(0), A(0), A(0), A(0)};
+        if (active && ij < i1) {
+          const Corners<A> c = slots.get(g.slot(j));
+          if (c.pix[0] != kNoCorners) gather(c, lj, dot);
+        }
+        group_sum(dot, lanes);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) mine[k] = lane == j ? dot[k] : mine[k];
+      }
+      __syncwarp(g.mask);  // slots are rewritten by the next round
+      if (live) {
+        A gr[3];
+        sample_grads(s, mine, gr);
+        write_grads<A, LT>(p, s, gr, group, i, keys ? cell_base[l] : 0);
       }
     }
-    g_attn = group_sum(g_attn, lanes);
-    g_lw = group_sum(g_lw, lanes);
-    g_lh = group_sum(g_lh, lanes);
-    if (live && lane == 0) {
-      if (keys) write_key(p, group * LP + i, inside, m + n * pb.M, cell_base[l], b, lv.W);
-      gattn[i] = from_acc<LT>(acc_t<LT>(g_attn));
-      gloc[2 * i] = from_acc<LT>(acc_t<LT>(w * g_lw * A(lv.W)));
-      gloc[2 * i + 1] = from_acc<LT>(acc_t<LT>(w * g_lh * A(lv.H)));
+  } else {
+    // Every thread runs `chunk` iterations (the group sums shuffle across
+    // the whole warp); samples past the group's last one are inactive.
+    for (int step = 0, l = i0 / pb.P; step < chunk; ++step) {
+      const int i = i0 + step;
+      if (i == (l + 1) * pb.P && l + 1 < pb.L) ++l;  // level-major: at most one step a sample
+      const bool live = active && i < i1;
+      BackwardSample<A> s;
+      if (live) s = load_sample<A>(loc, attn, i, levels[l]);
+      A dot[4] = {A(0), A(0), A(0), A(0)};
+      if (s.inside) gather(backward_corners(s.b, s.lv, s.w), l, dot);
+      A gr[3];
+      sample_grads(s, dot, gr);
+      group_sum(gr, lanes);
+      if (live && lane == 0) {
+        write_grads<A, LT>(p, s, gr, group, i, keys ? cell_base[l] : 0);
+      }
     }
   }
 }
@@ -198,10 +312,17 @@ struct Launch {
     const int64_t LP = int64_t(p.pb.L) * p.pb.P;
     const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * ((LP + chunk - 1) / chunk) * lanes;
     const bool multi = p.pb.D > int64_t(lanes) * VEC;
+    // One task a group, and rounds of full width (see backward_kernel; with
+    // fewer samples than lanes, bevformer_tsa's L * P = 4, the rounds leave
+    // lanes idle and measured slower).
+    const bool shared = chunk == LP && LP >= std::min(lanes, kRound);
+    const unsigned grid = grid_for(threads);
     if (multi) {
-      backward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes, chunk);
+      shared ? backward_kernel<T, LT, VEC, true, true><<<grid, kThreads, 0, stream>>>(p, lanes, chunk)
+             : backward_kernel<T, LT, VEC, true, false><<<grid, kThreads, 0, stream>>>(p, lanes, chunk);
     } else {
-      backward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes, chunk);
+      shared ? backward_kernel<T, LT, VEC, false, true><<<grid, kThreads, 0, stream>>>(p, lanes, chunk)
+             : backward_kernel<T, LT, VEC, false, false><<<grid, kThreads, 0, stream>>>(p, lanes, chunk);
     }
     return cudaGetLastError();
   }

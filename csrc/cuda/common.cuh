@@ -257,12 +257,19 @@ inline int lanes_for(int64_t D, int vec) {
   return lanes;
 }
 
-// Sum of v over the `lanes` threads of a group; every thread of the warp must
-// call it (inactive ones with v = 0).
-template <typename A>
-__device__ __forceinline__ A group_sum(A v, int lanes) {
-  for (int o = lanes >> 1; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+// Sums each v[j] over the `lanes` threads of a group, in place; every thread
+// of the warp must call it (inactive ones with v = 0). Unrolled over the five
+// possible offsets (a loop over a run-time count costs a convergence check
+// and a branch per step).
+template <typename A, int K>
+__device__ __forceinline__ void group_sum(A (&v)[K], int lanes) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    if (o < lanes) {
+#pragma unroll
+      for (int j = 0; j < K; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], o);
+    }
+  }
 }
 
 // ---- dtype dispatch --------------------------------------------------------
