@@ -17,7 +17,8 @@ from ms_deform_attn import workloads as W  # noqa: E402
 name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
 dname = sys.argv[2] if len(sys.argv) > 2 else "bf16"
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dname]
-inputs = W.make_inputs(W.get(name), dtype, torch.float32, device="cuda")
+wl = W.get(name)
+inputs = W.make_inputs(wl, dtype, torch.float32, device="cuda")
 grad = torch.randn(inputs[0].shape[0], inputs[3].shape[1], inputs[0].shape[2] * inputs[0].shape[3],
                    device="cuda", dtype=dtype)
 bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
@@ -27,7 +28,7 @@ reps = 10
 
 def call(det):
     if fwd_backend:
-        msda.ms_deform_attn(*inputs, backend=fwd_backend, spatial_shapes_list=W.get(name).levels)
+        msda.ms_deform_attn(*inputs, backend=fwd_backend, spatial_shapes_list=wl.levels)
     else:
         bwd(grad, *inputs, det)
 

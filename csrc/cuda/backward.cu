@@ -43,26 +43,23 @@ __device__ __forceinline__ void write_key(const BackwardParams& p, int64_t sampl
 }
 
 // A round's samples hand their corners through CornerSlots (forward_common.cuh):
-// pix = the clamped corner pixels, inside the level, with a corner outside the
-// map flagged by the sign bit (still loadable as pix & INT32_MAX); w = the
-// weights of grad_value's additions (attention weight x bilinear weight; 0
-// outside). pix[0] == kNoCorners marks a sample that touches nothing (-1 is
-// no flagged pixel: pixels are below INT32_MAX, load_levels).
-constexpr int kNoCorners = -1;
-constexpr int kRound = 8;  // samples a group resolves at once (one a lane)
-
+// sample_corners()'s, with a corner outside the map flagged by the sign bit
+// (still loadable as pix & INT32_MAX); its weight is 0. pix[0] == kNoSample
+// marks a sample that touches nothing (-1 is no flagged pixel: pixels are
+// below INT32_MAX, load_levels).
 template <typename A>
 __device__ __forceinline__ Corners<A> backward_corners(const Bilinear<A>& b, const Level& lv, A w) {
-  Corners<A> c;
-  clamped_corners(b, lv.H, lv.W, c.pix);
+  Corners<A> c = sample_corners(b, w, lv.H, lv.W, RowMajor{lv.W});
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const bool ok = b.corner_ok(k, lv.H, lv.W);
-    c.w[k] = ok ? w * b.weight(k) : A(0);
-    c.pix[k] = ok ? c.pix[k] : c.pix[k] | INT32_MIN;
+    c.pix[k] = b.corner_ok(k, lv.H, lv.W) ? c.pix[k] : c.pix[k] | INT32_MIN;
   }
   return c;
 }
+
+// Samples a group resolves at once (one a lane), for `lanes` lanes a group.
+constexpr int kRound = 8;
+__host__ __device__ constexpr int round_width(int lanes) { return lanes < kRound ? lanes : kRound; }
 
 // One channel slice [c, c + VEC) of a resolved sample: its four corners
 // loaded back to back, their dot products with go added to dot[k] (the
@@ -156,7 +153,7 @@ __device__ __forceinline__ void write_grads(const BackwardParams& p, const Backw
 // grad_output is re-read per pass instead of being kept in registers.
 //
 // kShared (a task is a whole group's samples: the groups alone fill the GPU,
-// the encoders): samples go in rounds of R = min(lanes, kRound); lane j of a
+// the encoders): samples go in rounds of R = round_width(lanes); lane j of a
 // group resolves sample r0 + j (location, weight, bilinear footprint) into
 // its slot; the group then takes the round's samples one after the other
 // from the slots (corner loads, dot products, atomics, one group sum of the
@@ -226,7 +223,7 @@ __global__ void __launch_bounds__(kThreads)
     CornerSlots<A> slots(slot_mem, kThreads);
     // Every thread runs the same rounds and steps (the group sums shuffle
     // across the whole warp); samples past the group's last one are inactive.
-    const int R = min(lanes, kRound);
+    const int R = round_width(lanes);
     for (int r0 = i0; r0 < i1; r0 += R) {
       // Resolve: lane j < R takes sample r0 + j.
       const int i = r0 + lane;
@@ -235,7 +232,7 @@ __global__ void __launch_bounds__(kThreads)
       BackwardSample<A> s;
       if (live) s = load_sample<A>(loc, attn, i, levels[l]);
       if (lane < R) {
-        Corners<A> c{{kNoCorners, kNoCorners, kNoCorners, kNoCorners}, {A(0), A(0), A(0), A(0)}};
+        Corners<A> c{{kNoSample, kNoSample, kNoSample, kNoSample}, {A(0), A(0), A(0), A(0)}};
         if (s.inside) c = backward_corners(s.b, s.lv, s.w);
         slots.put(g.slot(lane), c);
       }
@@ -249,7 +246,7 @@ __global__ void __launch_bounds__(kThreads)
         A dot[4] = {A(0), A(0), A(0), A(0)};
         if (active && ij < i1) {
           const Corners<A> c = slots.get(g.slot(j));
-          if (c.pix[0] != kNoCorners) gather(c, lj, dot);
+          if (c.pix[0] != kNoSample) gather(c, lj, dot);
         }
         group_sum(dot, lanes);
 #pragma unroll
@@ -315,7 +312,7 @@ struct Launch {
     // One task a group, and rounds of full width (see backward_kernel; with
     // fewer samples than lanes, bevformer_tsa's L * P = 4, the rounds leave
     // lanes idle and measured slower).
-    const bool shared = chunk == LP && LP >= std::min(lanes, kRound);
+    const bool shared = chunk == LP && LP >= round_width(lanes);
     const unsigned grid = grid_for(threads);
     if (multi) {
       shared ? backward_kernel<T, LT, VEC, true, true><<<grid, kThreads, 0, stream>>>(p, lanes, chunk)

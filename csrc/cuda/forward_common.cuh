@@ -50,17 +50,28 @@ struct CornerSlots {
 // Marks a sample that reads nothing in Corners::pix[0].
 constexpr int kNoSample = -1;
 
-// Requires H, W >= 1: callers skip the empty levels load_levels() makes of
-// levels that do not fit in value. index(row, col) gives the number a
-// backend's fetch wants for a corner (row, col) inside the map: by default the
-// row-major pixel index; it must never be kNoSample.
+// The corners of footprint b with weight w, b inside the map (see Corners;
+// the backward keeps b for its location gradients). Requires H, W >= 1:
+// callers skip the empty levels load_levels() makes of levels that do not fit
+// in value. index(row, col) gives the number a backend's fetch wants for a
+// corner (row, col) inside the map: by default the row-major pixel index; it
+// must never be kNoSample.
 template <typename A, typename Index>
-__device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W, Index&& index) {
-  const auto b = make_bilinear<A>(x, y, H, W);
+__device__ __forceinline__ Corners<A> sample_corners(const Bilinear<A>& b, A w, int H, int W,
+                                                     Index&& index) {
   Corners<A> c;
   clamped_corners(b, H, W, index, c.pix);
 #pragma unroll
   for (int k = 0; k < 4; ++k) c.w[k] = b.corner_ok(k, H, W) ? w * b.weight(k) : A(0);
+  return c;
+}
+
+// The corners of the sample at location (x, y) with weight w; pix[0] ==
+// kNoSample when its footprint misses the map.
+template <typename A, typename Index>
+__device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W, Index&& index) {
+  const auto b = make_bilinear<A>(x, y, H, W);
+  Corners<A> c = sample_corners(b, w, H, W, index);
   if (!b.inside) c.pix[0] = kNoSample;
   return c;
 }
