@@ -2,16 +2,17 @@
 // once (SMs x resident blocks per SM, read from the device: one block of 1024
 // threads per SM), each block taking work until none is left.
 //
-// Work items are (batch n, head m, chunk of kChunkQueries consecutive
-// queries). Every (n, m) has its own atomic chunk counter in a zeroed
+// Work items are (batch n, head m, unit of kWarpQueries consecutive queries),
+// one warp's. Every (n, m) has its own atomic unit counter in a zeroed
 // workspace (reset by the binding with a memset on the stream: no host sync,
 // CUDA-graph safe). A block starts on (n, m) = blockIdx.x mod N*M, loads that
-// pair's cache, and takes the pair's chunks one after the other until its
-// counter runs out; then it moves on to the next (n, m) with work left. So a
-// block keeps one (n, m) for many chunks and loads its cache once per (n, m),
-// and its 32 warps work on neighbouring queries at the same time (warp w takes
-// queries w * kWarpQueries... of the chunk): their samples of the levels read
-// from global memory fall close together and share the SM's L1.
+// pair's cache, and its warps take the pair's units on their own (no block
+// barrier between units) until the counter runs out; then, after one
+// barrier, the block moves on to the next (n, m) with work left. So a block
+// keeps one (n, m) for many units and loads its cache once per (n, m), and
+// its 32 warps work on neighbouring queries at the same time: their samples
+// of the levels read from global memory fall close together and share the
+// SM's L1.
 //
 // Cache: when a block starts on an (n, m) it copies into shared memory every
 // level of that (n, m) that fits in its budget, smallest levels first (the
@@ -35,8 +36,16 @@ namespace {
 // most 64 registers a thread).
 constexpr int kPThreads = 1024;
 constexpr int kWarpQueries = 16;                              // a warp's share of a chunk
-constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // 512
+constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // a block's round: sizes the grid
 constexpr int64_t kDefaultCache = 96 * 1024;  // bytes; the rest of the SM's memory is L1
+
+// The next unit of a pair's counter for the whole warp: lane 0 takes it,
+// every lane gets it.
+__device__ __forceinline__ int64_t take_unit(int* counter, int lane_in_warp) {
+  int u = 0;
+  if (lane_in_warp == 0) u = atomicAdd(counter, 1);
+  return __shfl_sync(0xffffffffu, u, 0);
+}
 
 template <typename T, typename LT, int VEC>
 __global__ void __launch_bounds__(kPThreads, 1)
@@ -49,7 +58,7 @@ __global__ void __launch_bounds__(kPThreads, 1)
   T* cache = reinterpret_cast<T*>(smem_raw + CornerSlots<A>::kBytesPerThread * kPThreads);
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cache_off[kMaxLevels];
-  __shared__ int s_chunk;
+  __shared__ int s_unit;
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -65,7 +74,7 @@ __global__ void __launch_bounds__(kPThreads, 1)
   const int warp_q = lane_in_warp / lanes;  // query within a warp round
   const int q_per_round = 32 / lanes;
   const int64_t NM = pb.N * pb.M;
-  const int64_t chunks = (pb.Lq + kChunkQueries - 1) / kChunkQueries;
+  const int64_t units = (pb.Lq + kWarpQueries - 1) / kWarpQueries;
   const int64_t row_stride = pb.M * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
   const int d32 = static_cast<int>(pb.D);
@@ -74,13 +83,13 @@ __global__ void __launch_bounds__(kPThreads, 1)
   for (int64_t k = 0; k < NM; ++k) {
     const int64_t nm = (blockIdx.x + k) % NM;
     const int64_t n = nm / pb.M, m = nm % pb.M;
-    // Take the first chunk before loading the cache, so that a pair other
-    // blocks have finished costs no cache load.
-    if (threadIdx.x == 0) s_chunk = atomicAdd(counters + nm, 1);
+    // Take a first unit before loading the cache, so that a pair other
+    // blocks have finished costs no cache load; warp 0 works on it.
+    if (threadIdx.x == 0) s_unit = atomicAdd(counters + nm, 1);
     __syncthreads();
-    int64_t chunk = s_chunk;
-    if (chunk >= chunks) {
-      __syncthreads();  // s_chunk is rewritten next iteration
+    int64_t unit = s_unit;
+    if (unit >= units) {
+      __syncthreads();  // s_unit is rewritten next iteration
       continue;
     }
     const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
@@ -88,17 +97,20 @@ __global__ void __launch_bounds__(kPThreads, 1)
       if (cache_off[l] < 0) continue;
       const T* src = vbase + levels[l].start * row_stride;
       T* dst = cache + cache_off[l];
-      const int64_t units = int64_t(levels[l].H) * levels[l].W * vecs_per_px;
+      const int64_t cells = int64_t(levels[l].H) * levels[l].W * vecs_per_px;
 #pragma unroll 4
-      for (int64_t u = threadIdx.x; u < units; u += kPThreads) {
+      for (int64_t u = threadIdx.x; u < cells; u += kPThreads) {
         const int64_t px = u / vecs_per_px, c = (u % vecs_per_px) * VEC;
         copy_vec<T, VEC>(dst + px * pb.D + c, src + px * row_stride + c);
       }
     }
     __syncthreads();
 
-    while (true) {
-      const int64_t q0 = chunk * kChunkQueries + int64_t(warp) * kWarpQueries;
+    // Each warp takes its own units (lane 0's atomicAdd, broadcast) until the
+    // pair's counter runs out; no block barrier until then.
+    if (warp != 0) unit = take_unit(counters + nm, lane_in_warp);
+    while (unit < units) {
+      const int64_t q0 = unit * kWarpQueries;
       for (int r = 0; r < kWarpQueries; r += q_per_round) {
         const int64_t q = q0 + r + warp_q;
         if (q >= pb.Lq || r + warp_q >= kWarpQueries) continue;
@@ -120,13 +132,9 @@ __global__ void __launch_bounds__(kPThreads, 1)
                                   }
                                 });
       }
-      __syncthreads();  // every warp is done with s_chunk (and, at the end, the cache)
-      if (threadIdx.x == 0) s_chunk = atomicAdd(counters + nm, 1);
-      __syncthreads();
-      chunk = s_chunk;
-      if (chunk >= chunks) break;
+      unit = take_unit(counters + nm, lane_in_warp);
     }
-    __syncthreads();  // s_chunk is rewritten next iteration
+    __syncthreads();  // every warp is done with this pair's cache (and s_unit)
   }
 }
 
