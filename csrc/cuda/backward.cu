@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kThreads)
 // thousand groups) fewer, so that about that many threads run. More threads
 // put more of the backward's latency-bound corner loads and atomics in
 // flight.
-constexpr int64_t kFillPerSm = 4 * 2048;
+constexpr int64_t kFillPerSm = 2 * 2048;
 
 int samples_per_task(const Problem& pb, int lanes) {
   const int64_t LP = int64_t(pb.L) * pb.P;
