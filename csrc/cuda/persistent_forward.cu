@@ -24,6 +24,10 @@
 // query read one whole pixel row. Samples on cached levels read shared
 // memory, the others global memory with 16-byte vector loads. The budget is a
 // launch parameter (tests shrink it to cover the global fallback).
+// Measured on an H200 (benchmarks/NOTES.md): the smaller the budget, the
+// faster (a cached row costs the L1/TEX pipe what an L1 hit does, and the
+// carve-out takes L1 from the other levels); even with none this backend is
+// slower than `baseline`, so `auto` never picks it.
 #include <algorithm>
 
 #include "forward_common.cuh"
@@ -35,7 +39,7 @@ namespace {
 // One block of 1024 threads per SM (32 warps, the baseline's occupancy; at
 // most 64 registers a thread).
 constexpr int kPThreads = 1024;
-constexpr int kWarpQueries = 16;                              // a warp's share of a chunk
+constexpr int kWarpQueries = 16;                              // queries of a unit (one warp's)
 constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // a block's round: sizes the grid
 constexpr int64_t kDefaultCache = 96 * 1024;  // bytes; the rest of the SM's memory is L1
 
