@@ -1,9 +1,17 @@
-"""Build of the ms_deform_attn extension.
+"""Build of ms_deform_attn: the operator library and its Python module.
 
+Two shared objects, both inside the package:
+  ms_deform_attn/lib/libms_deform_attn.so  the operator (schema, CPU and CUDA
+      kernels, autograd, autocast); links LibTorch only, no Python, so C++
+      programs use it through the CMake package (share/cmake);
+  ms_deform_attn/_C...so  the Python extension module: empty, links the
+      library (rpath $ORIGIN/lib), so that importing it registers the operator.
 The CUDA sources are compiled when torch has CUDA and nvcc is found, or when
-FORCE_CUDA=1; otherwise a CPU-only extension is built. With FORCE_CUDA=1, no
+FORCE_CUDA=1; otherwise the library is CPU-only. With FORCE_CUDA=1, no
 visible GPU and TORCH_CUDA_ARCH_LIST unset, the architectures default to
 DEFAULT_ARCHS below instead of torch's guess. MAX_JOBS is honoured (ninja).
+The CPU kernels run multi-threaded through OpenMP where the compiler has it.
+Metadata and the optional extras are in pyproject.toml.
 """
 import glob
 import os
@@ -64,9 +72,16 @@ def _pick_cxx():
 _find_cuda_home()
 _pick_cxx()
 
-from setuptools import find_packages, setup  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ImportError:
+    raise SystemExit(
+        "ms_deform_attn compiles against the PyTorch it will run with, so torch must be "
+        "installed first:\n    pip install torch\n    pip install --no-build-isolation .\n"
+        "(--no-build-isolation lets the build see that torch; without it pip would build "
+        "against a different copy.)")
+from setuptools import Extension, find_packages, setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
-import torch  # noqa: E402
 
 # Ampere, Ada and Hopper (9.0a: the Hopper-only backends need it).
 DEFAULT_ARCHS = "8.0;8.9;9.0a"
@@ -98,34 +113,91 @@ def library_header_dirs():
     return sorted(found)
 
 
-def extension():
+LIB = "ms_deform_attn.lib.libms_deform_attn"  # built as ms_deform_attn/lib/libms_deform_attn.so
+
+
+def openmp_flag():
+    """-fopenmp when the C++ compiler builds and links an OpenMP program (so
+    that at::parallel_for runs on several threads), else None."""
+    import subprocess
+    import tempfile
+
+    cxx = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "t.cpp")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
+        try:
+            subprocess.run([cxx, "-fopenmp", src, "-o", os.path.join(tmp, "t")], check=True,
+                           timeout=120, capture_output=True)
+        except Exception:
+            print("setup.py: the C++ compiler has no OpenMP; the CPU kernels will run on one thread")
+            return None
+    return "-fopenmp"
+
+
+def library():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
-    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    sources = (rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + rel("csrc/autograd/*.cpp")
+               + rel("csrc/autocast/*.cpp"))
     cxx = ["-O3"]
-    debug = os.environ.get("MSDA_DEBUG", "0") == "1"
-    if debug:
+    if os.environ.get("MSDA_DEBUG", "0") == "1":
         cxx = ["-O0", "-g"]
+    link = ["-Wl,-soname,libms_deform_attn.so"]
+    omp = openmp_flag()
+    if omp:
+        cxx.append(omp)
+        link.append(omp)
+    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include")]
     if not want_cuda():
-        return CppExtension("ms_deform_attn._C", sources, extra_compile_args={"cxx": cxx},
-                            py_limited_api=False)
-    if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
-    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
-    if os.environ.get("MSDA_PTXAS_VERBOSE", "0") == "1":
-        nvcc.append("-Xptxas=-v")
-    sources += rel("csrc/cuda/*.cpp") + rel("csrc/cuda/*.cu")
-    return CUDAExtension("ms_deform_attn._C", sources, include_dirs=library_header_dirs(),
-                         extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+        ext = CppExtension(LIB, sources, include_dirs=include_dirs, extra_link_args=link,
+                           extra_compile_args={"cxx": cxx})
+    else:
+        if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+        if os.environ.get("MSDA_PTXAS_VERBOSE", "0") == "1":
+            nvcc.append("-Xptxas=-v")
+        sources += rel("csrc/cuda/*.cpp") + rel("csrc/cuda/*.cu")
+        ext = CUDAExtension(LIB, sources, include_dirs=include_dirs + library_header_dirs(),
+                            extra_link_args=link, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
+    # No Python: LibTorch programs load this library without an interpreter.
+    ext.libraries = [lib for lib in ext.libraries if lib != "torch_python"]
+    return ext
+
+
+def python_module():
+    # Plain (no torch libraries): all it does is load the library.
+    return Extension("ms_deform_attn._C", ["csrc/python/module.cpp"], libraries=["ms_deform_attn"],
+                     extra_link_args=["-Wl,-rpath,$ORIGIN/lib"], language="c++")
+
+
+class Build(BuildExtension):
+    """The library gets a plain name (libms_deform_attn.so, not a Python
+    module's), and the module links it from where it was just built."""
+
+    def get_ext_filename(self, fullname):
+        name = super().get_ext_filename(fullname)
+        if fullname.split(".")[-1] == LIB.split(".")[-1]:
+            return os.path.join(os.path.dirname(name), "libms_deform_attn.so")
+        return name
+
+    def run(self):
+        # An in-place build copies the library into ms_deform_attn/lib/ (not a package).
+        os.makedirs(os.path.join(ROOT, "ms_deform_attn", "lib"), exist_ok=True)
+        super().run()
+
+    def build_extension(self, ext):
+        os.makedirs(os.path.dirname(self.get_ext_fullpath(ext.name)), exist_ok=True)
+        if ext.name == "ms_deform_attn._C":
+            ext.library_dirs = [os.path.dirname(self.get_ext_fullpath(LIB))]
+        super().build_extension(ext)
 
 
 setup(
-    name="ms_deform_attn",
-    version="0.1.0",
-    description="Multi-Scale Deformable Attention for PyTorch: one operator, CPU and CUDA kernels",
     packages=find_packages(include=["ms_deform_attn", "ms_deform_attn.*"]),
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    python_requires=">=3.9",
-    install_requires=["torch>=2.4"],
+    package_data={"ms_deform_attn": ["include/ms_deform_attn/*.h", "share/cmake/ms_deform_attn/*.cmake"]},
+    ext_modules=[library(), python_module()],
+    cmdclass={"build_ext": Build.with_options(use_ninja=True)},
     zip_safe=False,
 )

@@ -5,9 +5,12 @@
 // Convention (F.grid_sample, mode="bilinear", padding_mode="zeros",
 // align_corners=False): a normalised location (x, y) in [0, 1]^2 maps to the
 // pixel coordinate (x * W - 0.5, y * H - 0.5); corners outside the map
-// contribute zero. Locations outside [0, 1], NaN and infinities are legal: a
-// location whose 2x2 footprint misses the map, or that is not finite, samples
-// nothing.
+// contribute zero. Locations outside [0, 1] are legal: a location whose 2x2
+// footprint misses the map samples nothing. A sample whose location (x or y)
+// or attention weight is NaN or infinite is "poisoned" (see make_bilinear):
+// its output row, location gradient and weight gradient become NaN, as in the
+// grid_sample reference, so that a diverging model fails loudly instead of
+// training on; it adds nothing to grad_value.
 #pragma once
 
 #include <cstdint>
@@ -35,8 +38,8 @@ template <typename T> using acc_t = typename AccType<T>::type;
 template <typename A>
 struct Bilinear {
   int h0, w0;  // top-left corner, may be -1
-  A lh, lw;    // fractional offsets inside the cell
-  bool inside; // false: the footprint misses the map (or the location is not finite)
+  A lh, lw;    // fractional offsets inside the cell; NaN for a poisoned sample
+  bool inside; // false: the footprint misses the map
 
   MSDA_HD A hh() const { return A(1) - lh; }
   MSDA_HD A hw() const { return A(1) - lw; }
@@ -45,6 +48,10 @@ struct Bilinear {
     const A wx = (k & 1) ? lw : hw();
     return wy * wx;
   }
+  // A poisoned sample (non-finite location or weight): cell (0, 0) with NaN
+  // fractions, so that every weight and weight derivative is NaN. Its corners
+  // are real pixels (loads stay in bounds) but must not receive grad_value.
+  MSDA_HD bool poisoned() const { return lh != lh; }
   // Whether corner k lies inside an H x W map.
   MSDA_HD bool corner_ok(int k, int H, int W) const {
     const int h = h0 + (k >> 1), w = w0 + (k & 1);
@@ -68,15 +75,26 @@ struct Bilinear {
 MSDA_HD float floor_acc(float x) { return floorf(x); }
 MSDA_HD double floor_acc(double x) { return ::floor(x); }
 
-// Resolve a normalised location on an H x W level. All coordinate math is in
-// A (fp32, or fp64 for fp64 inputs).
+// Whether v is neither NaN nor infinite (v - v is NaN for both).
 template <typename A>
-MSDA_HD Bilinear<A> make_bilinear(A loc_x, A loc_y, int H, int W) {
+MSDA_HD bool finite(A v) { return v - v == A(0); }
+
+// Resolve a normalised location with attention weight `weight` on an H x W
+// level (H, W >= 1). All coordinate math is in A (fp32, or fp64 for fp64
+// inputs). A non-finite x, y or weight gives the poisoned footprint (see
+// Bilinear::poisoned).
+template <typename A>
+MSDA_HD Bilinear<A> make_bilinear(A loc_x, A loc_y, A weight, int H, int W) {
   Bilinear<A> b;
+  if (!(finite(loc_x) && finite(loc_y) && finite(weight))) {
+    b.inside = true;
+    b.h0 = b.w0 = 0;
+    b.lh = b.lw = A(NAN);
+    return b;
+  }
   const A h = loc_y * A(H) - A(0.5);
   const A w = loc_x * A(W) - A(0.5);
-  // Written so that NaN fails every comparison and lands in "outside". At
-  // exactly h = -1 (or w = -1) the footprint touches the map with zero weight:
+  // At exactly h = -1 (or w = -1) the footprint touches the map with zero weight:
   // kept "inside" so that the location gradient is grid_sample's (the
   // derivative in the cell to the lower right).
   b.inside = (h >= A(-1)) && (w >= A(-1)) && (h < A(H)) && (w < A(W));

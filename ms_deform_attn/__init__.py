@@ -8,10 +8,19 @@ Shapes: value (N, S, M, D), spatial_shapes (L, 2) int64 (H, W),
 level_start_index (L,) int64, sampling_locations (N, Lq, M, L, P, 2) in
 [0, 1] (x, y), attention_weights (N, Lq, M, L, P); output (N, Lq, M * D).
 """
-from . import _ops  # noqa: F401  (loads the extension, registers fake and autograd)
-from ._ops import available_backends, backend_reason, ms_deform_attn, select_backend
-from . import compat, nn, reference, workloads
+import os as _os
+
+_here = _os.path.dirname(_os.path.abspath(__file__))
+# For C++ users: the CMake package, the public header, the operator library.
+cmake_prefix_path = _os.path.join(_here, "share", "cmake")
+include_path = _os.path.join(_here, "include")
+library_path = _os.path.join(_here, "lib", "libms_deform_attn.so")
+
+from . import _ops  # noqa: F401,E402  (loads the extension, registers the fake kernels)
+from ._ops import available_backends, backend_reason, ms_deform_attn, select_backend  # noqa: E402
+from . import compat, nn, reference, workloads  # noqa: E402
 
 __all__ = ["ms_deform_attn", "available_backends", "select_backend", "backend_reason",
-           "reference", "nn", "compat", "workloads"]
+           "reference", "nn", "compat", "workloads", "cmake_prefix_path", "include_path",
+           "library_path"]
 __version__ = "0.1.0"

@@ -1,11 +1,26 @@
-"""Python side of the operator: fake kernels, autograd, public wrappers."""
+"""Python side of the operator: public wrappers and the fake kernels
+(torch.compile, export). Schema, kernels, autograd and autocast are C++
+(lib/libms_deform_attn.so), shared with LibTorch programs."""
 from __future__ import annotations
 
+import glob
+import os
 from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import _C  # noqa: F401  (runs the C++ TORCH_LIBRARY registrations)
+try:
+    from . import _C  # noqa: F401  (loads lib/libms_deform_attn.so: the C++ registrations)
+except ImportError as e:
+    _here = os.path.dirname(os.path.abspath(__file__))
+    if glob.glob(os.path.join(_here, "_C*")):
+        raise
+    raise ImportError(
+        f"ms_deform_attn: the compiled extension is not in {_here}. If the package was "
+        "installed with `pip install .` and Python runs from the source checkout, the "
+        "checkout's ms_deform_attn/ folder hides the installed package: run from another "
+        "directory, or build in place here (`make build`, or `pip install --no-build-isolation "
+        "-e .`).") from e
 
 _lib = torch.ops.ms_deform_attn
 
@@ -117,58 +132,3 @@ def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampli
         torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
         torch.empty_like(attention_weights, memory_format=torch.contiguous_format),
     )
-
-
-# ---- autograd -------------------------------------------------------------------
-def _setup_context(ctx, inputs, output):
-    (value, spatial_shapes, level_start_index, sampling_locations, attention_weights, _,
-     deterministic, _) = inputs
-    ctx.deterministic = deterministic
-    ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations,
-                          attention_weights)
-
-
-def _backward(ctx, grad_output):
-    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = (
-        ctx.saved_tensors
-    )
-    deterministic = ctx.deterministic
-    if deterministic is None:
-        deterministic = torch.are_deterministic_algorithms_enabled()
-    grad_value, grad_loc, grad_attn = _lib._ms_deform_attn_backward(
-        grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-        attention_weights, deterministic,
-    )
-    need = ctx.needs_input_grad
-    return (
-        grad_value if need[0] else None,
-        None,
-        None,
-        grad_loc if need[3] else None,
-        grad_attn if need[4] else None,
-        None,
-        None,
-        None,
-    )
-
-
-torch.library.register_autograd(
-    "ms_deform_attn::ms_deform_attn", _backward, setup_context=_setup_context
-)
-
-
-def _no_double_backward_setup(ctx, inputs, output):
-    pass
-
-
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError(
-        "ms_deform_attn: double backward (differentiating the gradient) is not supported"
-    )
-
-
-torch.library.register_autograd(
-    "ms_deform_attn::_ms_deform_attn_backward",
-    _no_double_backward,
-    setup_context=_no_double_backward_setup,
-)

@@ -7,18 +7,22 @@ be put in its place; `swap_msda(model)` does that for a whole model without
 network access, and also routes Mask2Former / OneFormer, which call a
 module-level `multi_scale_deformable_attention` function, to the operator.
 
-With the `kernels` package, `kernel_mapping()` maps transformers' layer name
-"MultiScaleDeformableAttention" to this package's operator for
-`kernels.kernelize` (the layer is served from here: no Hub, no network):
+With the `kernels` package, `kernelize(model)` runs transformers' own
+mechanism (`kernels.kernelize` with `kernel_mapping()`, the layer served from
+here: no Hub, no network) and says how many layers it replaced; it warns
+when that is none. transformers marks its layer for `kernels` only with the
+`kernels` versions it supports (not with the one pip installs by default,
+0.17.2, for transformers 5.x); `kernelize` marks it itself then, as
+`kernels.replace_kernel_forward_from_hub` would:
 
-    from kernels import Mode, kernelize, use_kernel_mapping
-    with use_kernel_mapping(kernel_mapping()):
-        model = kernelize(model, mode=Mode.TRAINING, device="cuda")
+    from ms_deform_attn.hf import kernelize
+    model, replaced = kernelize(model, device="cuda", training=True)
 """
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Tuple
+import warnings
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -86,6 +90,45 @@ def kernel_mapping(devices: Tuple[str, ...] = ("cuda", "cpu")) -> Dict[str, Dict
     `kernels.register_kernel_mapping`) of transformers' layer name
     "MultiScaleDeformableAttention" to this package's operator, on `devices`."""
     return {"MultiScaleDeformableAttention": {d: _REPOSITORY for d in devices}}
+
+
+def _msda_layers(model: nn.Module) -> List[nn.Module]:
+    return [m for m in model.modules() if type(m).__name__ == "MultiScaleDeformableAttention"
+            and type(m).__module__.startswith("transformers.")]
+
+
+def kernelized_layers(model: nn.Module) -> int:
+    """How many transformers MSDA layers of `model` run this package's
+    operator through `kernels` (their forward is the kernel layer's)."""
+    return sum(getattr(m.forward, "__func__", None) is MultiScaleDeformableAttentionKernel.forward
+               for m in _msda_layers(model))
+
+
+def kernelize(model: nn.Module, device: Optional[str] = None, training: bool = False):
+    """`kernels.kernelize(model)` with `kernel_mapping()`, for any installed
+    `kernels` version: marks transformers' MultiScaleDeformableAttention
+    classes for kernelize where this transformers did not (it does so only
+    for the `kernels` versions it supports), then kernelizes. Returns
+    (model, number of layers replaced) and warns when the model has MSDA
+    layers and none was replaced."""
+    import kernels
+
+    for cls in {type(m) for m in _msda_layers(model)}:
+        if getattr(cls, "kernel_layer_name", None) is None:
+            cls.kernel_layer_name = "MultiScaleDeformableAttention"
+            if getattr(cls, "kernel_condition", None) is None:
+                cls.kernel_condition = staticmethod(lambda module: True)
+    mode = kernels.Mode.TRAINING if training else kernels.Mode.INFERENCE
+    with kernels.use_kernel_mapping(kernel_mapping()):
+        model = kernels.kernelize(model, mode=mode, device=device)
+    replaced = kernelized_layers(model)
+    if replaced == 0 and _msda_layers(model):
+        warnings.warn(
+            "ms_deform_attn.hf.kernelize: kernels.kernelize replaced none of the model's "
+            f"{len(_msda_layers(model))} MultiScaleDeformableAttention layers (kernels "
+            f"{getattr(kernels, '__version__', '?')}); the model still runs transformers' own "
+            "code. Use ms_deform_attn.hf.swap_msda(model) instead.", RuntimeWarning, stacklevel=2)
+    return model, replaced
 
 
 def multi_scale_deformable_attention(value, value_spatial_shapes, sampling_locations,

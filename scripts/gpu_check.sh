@@ -4,7 +4,7 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes,
-#                               profile, sass, diag, dsmem)
+#                               profile, sass, dsmem, cpp, cputhreads)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -46,12 +46,15 @@ for stage in $STAGES; do
     bench)
       $PY -m benchmarks.run $BENCH_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "BENCH FAILED"; status=1; } ;;
-    diag)
-      { echo "CXX=${CXX:-}"; head -c 600 /opt/gcc/bin/g++ 2>/dev/null | strings | head -20
-        ldd ms_deform_attn/_C*.so | grep -E "stdc|gcc_s|c10"
-        $PY scripts/diag_exception.py; echo "exit $?"
-        cuda-gdb -batch -ex run -ex bt --args $PY scripts/diag_exception.py 2>&1 | tail -40
-      } > "$OUT/diag.txt" 2>&1; tail -60 "$OUT/diag.txt" ;;
+    cpp)
+      # The C++ example (examples/cpp) against the in-place build: CPU and CUDA.
+      { rm -rf /tmp/msda-cpp
+        cmake -S examples/cpp -B /tmp/msda-cpp -DCMAKE_PREFIX_PATH="$($PY -m ms_deform_attn --cmake-prefix-path)" \
+          && cmake --build /tmp/msda-cpp -j "$(nproc)" && /tmp/msda-cpp/msda_example
+      } > "$OUT/cpp.log" 2>&1
+      rc=$?; tail -25 "$OUT/cpp.log"; [ "$rc" = 0 ] || { echo "C++ EXAMPLE FAILED ($rc)"; status=1; } ;;
+    cputhreads)
+      $PY -m benchmarks.cpu_threads 2>&1 | tee "$OUT/cpu_threads.md" | tail -12 ;;
     profile)
       # Nsight Compute on one forward per backend and the backward (ddetr_enc
       # by default; PROFILE_ARGS="workload dtype").

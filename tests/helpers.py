@@ -65,31 +65,64 @@ def away_from_pixel_borders(loc, shapes, margin=1e-4):
     return torch.where(near, loc + 4 * margin / wh, loc)
 
 
-def _finite64(loc):
-    """Float64 locations with non-finite ones replaced by a far-outside point,
-    which samples nothing (and gets zero gradient), as in the operator."""
-    loc64 = loc.detach().double()
-    return torch.where(torch.isfinite(loc64), loc64, torch.full_like(loc64, -10.0))
+def poisoned(loc, attn):
+    """(N, Lq, M, L, P) mask of the samples whose location or weight is not
+    finite: the operator makes their output rows, location and weight
+    gradients NaN, and they add nothing to grad_value."""
+    return ~(torch.isfinite(loc.detach()).all(-1) & torch.isfinite(attn.detach()))
+
+
+def _clean64(loc, attn):
+    """Float64 locations and weights with the poisoned samples made harmless
+    (far outside, weight 0), and the poisoned mask."""
+    bad = poisoned(loc, attn)
+    loc64 = torch.where(bad[..., None], torch.full_like(loc.detach().double(), -10.0),
+                        loc.detach().double())
+    attn64 = torch.where(bad, torch.zeros_like(attn.detach().double()), attn.detach().double())
+    return loc64, attn64, bad
+
+
+def _poison_rows(out, bad):
+    """NaN in the output rows (n, q, m) that hold a poisoned sample."""
+    n, lq, md = out.shape
+    rows = bad.flatten(3).any(-1).to(out.device)  # (N, Lq, M)
+    m = rows.shape[-1]
+    return out.view(n, lq, m, md // m).masked_fill(rows[..., None], float("nan")).view(n, lq, md)
 
 
 def reference64(value, shapes, start, loc, attn):
-    """Float64 reference on the same (rounded) inputs."""
-    return ms_deform_attn_pytorch(value.detach().double(), shapes, start, _finite64(loc),
-                                  attn.detach().double())
+    """Float64 reference on the same (rounded) inputs, poisoned rows NaN."""
+    loc64, attn64, bad = _clean64(loc, attn)
+    out = ms_deform_attn_pytorch(value.detach().double(), shapes, start, loc64, attn64)
+    return _poison_rows(out, bad)
 
 
 def reference64_grads(value, shapes, start, loc, attn, grad):
     """Float64 reference gradients of (value, loc, attn) for grad_output
-    `grad`, on the same (rounded) inputs."""
-    ref_in = [value.detach().double().requires_grad_(), _finite64(loc).requires_grad_(),
-              attn.detach().double().requires_grad_()]
+    `grad`, on the same (rounded) inputs; NaN for the poisoned samples'
+    location and weight gradients."""
+    loc64, attn64, bad = _clean64(loc, attn)
+    ref_in = [value.detach().double().requires_grad_(), loc64.requires_grad_(),
+              attn64.requires_grad_()]
     out = ms_deform_attn_pytorch(ref_in[0], shapes, start, ref_in[1], ref_in[2])
-    return torch.autograd.grad(out, ref_in, grad.double())
+    gv, gl, ga = torch.autograd.grad(out, ref_in, grad.double())
+    nan = float("nan")
+    return gv, gl.masked_fill(bad[..., None], nan), ga.masked_fill(bad, nan)
 
 
 def rel_err(out, ref):
-    out = out.double()
-    assert not torch.isnan(out).any(), "NaN in output (unwritten element or bad arithmetic)"
+    """||out - ref|| / ||ref|| over the elements where ref is not NaN; out
+    must be NaN exactly where ref is (the poisoned rows and gradients), so an
+    unwritten element (poisoned with NaN beforehand) or a NaN from bad
+    arithmetic fails."""
+    out, ref = out.double(), ref.double().to(out.device)
+    nan_ref = torch.isnan(ref)
+    nan_out = torch.isnan(out)
+    assert torch.equal(nan_out, nan_ref), (
+        f"NaN in {int((nan_out & ~nan_ref).sum())} elements where the reference has none "
+        f"(unwritten element or bad arithmetic), missing in {int((nan_ref & ~nan_out).sum())} "
+        "where it has (a poisoned sample not propagated)")
+    out, ref = out.masked_fill(nan_ref, 0.0), ref.masked_fill(nan_ref, 0.0)
     denom = ref.norm().item()
     return (out - ref).norm().item() / (denom if denom > 0 else 1.0)
 
@@ -138,8 +171,8 @@ def budget_error(monkeypatch, backend, budget, inputs):
 def reference_gather(value, shapes, start, loc, attn):
     """Float64 MSDA by direct corner gathers (no grid_sample, no float64 copy
     of value): for a few queries against a value tensor too large to copy.
-    spatial_shapes on the host or the device; non-finite locations sample
-    nothing. Differentiable in loc and attn."""
+    spatial_shapes on the host or the device; rows with a poisoned sample
+    (non-finite location or weight) are NaN. Differentiable in loc and attn."""
     n, _, m, d = value.shape
     levels = [(int(h), int(w)) for h, w in shapes.tolist()]
     starts = [int(s) for s in start.tolist()]
@@ -149,11 +182,12 @@ def reference_gather(value, shapes, start, loc, attn):
     for lvl, (h, w) in enumerate(levels):
         x = loc[..., lvl, :, 0].double() * w - 0.5  # (N, Q, M, P)
         y = loc[..., lvl, :, 1].double() * h - 0.5
-        finite = torch.isfinite(x) & torch.isfinite(y)
+        a = attn[..., lvl, :].double()
+        finite = torch.isfinite(x) & torch.isfinite(y) & torch.isfinite(a)
         x = torch.where(finite, x, torch.full_like(x, -10.0))
         y = torch.where(finite, y, torch.full_like(y, -10.0))
+        a = torch.where(finite, a, torch.zeros_like(a))
         x0, y0 = x.detach().floor(), y.detach().floor()
-        a = attn[..., lvl, :].double()
         for dy in (0, 1):
             for dx in (0, 1):
                 xi, yi = x0 + dx, y0 + dy
@@ -162,4 +196,4 @@ def reference_gather(value, shapes, start, loc, attn):
                 pix = starts[lvl] + (yi.clamp(0, h - 1) * w + xi.clamp(0, w - 1)).long()
                 v = value[n_idx, pix, m_idx].double()  # (N, Q, M, P, D)
                 out = out + ((wgt * ok * a)[..., None] * v).sum(3)
-    return out.reshape(out.shape[0], out.shape[1], m * d)
+    return _poison_rows(out.reshape(out.shape[0], out.shape[1], m * d), poisoned(loc, attn))

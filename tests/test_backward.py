@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ms_deform_attn.reference import ms_deform_attn_pytorch
-from helpers import TOL, device_backends, make_inputs, reference64_grads, rel_err, run
+from helpers import TOL, device_backends, make_inputs, poisoned, reference64_grads, rel_err, run
 
 
 def op(backend, deterministic=None):
@@ -162,3 +162,33 @@ def test_deterministic_follows_torch_flag(device, backend):
         torch.use_deterministic_algorithms(before)
     for a, b in zip(explicit, implicit):
         assert torch.equal(_bits(a), _bits(b))
+
+
+@MODES
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_non_finite_samples_make_their_gradients_nan(device, backend, deterministic):
+    """A NaN or infinite location or weight: NaN location and weight
+    gradients for that sample, nothing added to grad_value; every other
+    gradient as the reference's with those samples removed."""
+    inputs = make_inputs(2, 40, 4, 16, [(6, 7), (3, 4), (1, 1)], 3, torch.float32,
+                         device=device)
+    value, shapes, start, loc, attn = inputs
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf")], device=device)
+    with torch.no_grad():
+        loc[0, 0, 0, 0, 0, 0] = float("nan")
+        loc[0, 1, 1, 1, 2, 1] = float("inf")
+        attn[1, 2, 2, 0, 1] = float("nan")
+        attn[1, 3, 3, 2, 0] = -float("inf")
+        loc[1, 4:8] = torch.where(torch.rand(loc[1, 4:8].shape, device=device) < 0.05,
+                                  specials[torch.randint(0, 3, loc[1, 4:8].shape, device=device)],
+                                  loc[1, 4:8])
+    value, loc, attn = (t.detach().requires_grad_() for t in (value, loc, attn))
+    out = op(backend, deterministic)(value, shapes, start, loc, attn)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (value, loc, attn), grad)
+    ref = reference64_grads(value, shapes, start, loc, attn, grad)
+    bad = poisoned(loc, attn)
+    assert torch.isnan(grads[1][bad]).all() and torch.isnan(grads[2][bad]).all()
+    assert torch.isfinite(grads[0]).all()
+    for name, got, want in zip(("value", "locations", "weights"), grads, ref):
+        assert rel_err(got, want) <= TOL[torch.float32], name

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import device_backends, make_inputs, run
+from helpers import cuda_backends, device_backends, host_shapes, make_inputs, run
 
 
 def good(device):
@@ -55,21 +55,31 @@ CASES = [
      r"one pixel of value \(M \* D \* element size\) must be < 4 GiB, got 4294967296 bytes"),
 ]
 
-# Value checks that need spatial_shapes on the host: on the CPU always, on
-# CUDA with MS_DEFORM_ATTN_CHECK_SHAPES=1 (a sync); without it, CUDA treats
-# levels that do not fit as empty and never reads out of bounds.
-CPU_CASES = [
+# Values of the level shapes. (id, mutation, message, whether
+# spatial_shapes_list shows the error: it holds H and W, not level_start_index.)
+# Where the host knows the shapes (host tensors on the CPU; spatial_shapes_list
+# on any device) every backend raises the same error before any kernel runs.
+VALUE_CASES = [
     ("start_out_of_range", lambda a: replace(a, 2, torch.tensor([0, 1000])),
-     r"level_start_index\[1\] must be the exclusive cumulative sum of H \* W, expected 24, got 1000"),
-    ("sum_hw", lambda a: replace(a, 0, a[0][:, :-1]),
-     r"value.size\(1\) \(S\) must equal the sum of H \* W over levels = 30, got 29"),
+     r"level_start_index\[1\] must be the exclusive cumulative sum of H \* W, expected 24, got 1000",
+     False),
     ("start_values", lambda a: replace(a, 2, torch.tensor([0, 23])),
-     r"level_start_index\[1\] must be the exclusive cumulative sum of H \* W, expected 24, got 23"),
+     r"level_start_index\[1\] must be the exclusive cumulative sum of H \* W, expected 24, got 23",
+     False),
+    ("value_row_short", lambda a: replace(a, 0, a[0][:, :-1]),
+     r"value.size\(1\) \(S\) must equal the sum of H \* W over the levels of "
+     r"spatial_shapes(_list)? = 30, got 29", True),
+    ("value_row_long", lambda a: replace(a, 0, torch.cat([a[0], a[0][:, :1]], 1)),
+     r"value.size\(1\) \(S\) must equal the sum of H \* W over the levels of "
+     r"spatial_shapes(_list)? = 30, got 31", True),
     ("zero_level", lambda a: replace(a, 1, torch.tensor([[4, 6], [0, 3]])),
-     r"spatial_shapes\[1\] = \(0, 3\) must be positive"),
+     r"spatial_shapes(_list)?\[1\] = \(0, 3\) must be positive", True),
     ("negative_level", lambda a: replace(a, 1, torch.tensor([[4, 6], [-2, 3]])),
-     r"spatial_shapes\[1\] = \(-2, 3\) must be positive"),
+     r"spatial_shapes(_list)?\[1\] = \(-2, 3\) must be positive", True),
+    ("huge_level", lambda a: replace(a, 1, torch.tensor([[1 << 20, 1 << 20], [2, 3]])),
+     r"spatial_shapes(_list)?\[0\] = \(1048576, 1048576\): H \* W must be < 2\^31", True),
 ]
+VALUE_IDS = [c[0] for c in VALUE_CASES]
 
 
 def assert_usable(device):
@@ -94,21 +104,49 @@ def on_device(args, device):
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
-@pytest.mark.parametrize("name,mutate,pattern", CPU_CASES, ids=[c[0] for c in CPU_CASES])
-def test_bad_values(device, backend, name, mutate, pattern, monkeypatch):
-    """spatial_shapes / level_start_index values, with the shapes only in
-    tensors (no spatial_shapes_list, whose own checks are HOST_LIST_CASES)."""
+@pytest.mark.parametrize("name,mutate,pattern,in_list", VALUE_CASES, ids=VALUE_IDS)
+def test_bad_levels_known_on_host(device, backend, name, mutate, pattern, in_list):
+    """Host tensors on the CPU; spatial_shapes_list (made from the bad
+    tensor, as a caller would) on every device: the same error everywhere."""
+    bad = mutate(good("cpu"))
+    args = on_device(bad, device)
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=pattern):
+            msda.ms_deform_attn(*args, backend=backend)
+    if in_list:
+        with pytest.raises(RuntimeError, match=pattern):
+            msda.ms_deform_attn(*args, backend=backend, spatial_shapes_list=host_shapes(bad[1]))
+    assert_usable(device)
+
+
+@pytest.mark.parametrize("device,backend", cuda_backends())
+@pytest.mark.parametrize("name,mutate,pattern,in_list", VALUE_CASES, ids=VALUE_IDS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "det"])
+def test_bad_levels_only_on_device(device, backend, name, mutate, pattern, in_list,
+                                   deterministic, monkeypatch):
+    """Shapes only in GPU tensors (no sync to read them): every kernel checks
+    the level table against S itself, reads nothing outside value, and makes
+    the whole output and the location and weight gradients NaN (never
+    plausible numbers); grad_value stays finite. MS_DEFORM_ATTN_CHECK_SHAPES=1
+    checks on the host instead, with a sync, and raises the CPU's error."""
+    bad = on_device(mutate(good("cpu")), device)
+    hs = None
     if backend == "tma":
-        pytest.skip("tma needs spatial_shapes_list (tests/test_tma.py covers wrong lists)")
-    args = on_device(mutate(good("cpu")), device)
-    if device == "cuda":
-        # Unchecked (the default: no sync): runs, reads nothing out of bounds.
-        out = msda.ms_deform_attn(*args, backend=backend)
-        torch.cuda.synchronize()
-        assert not torch.isnan(out).any()
-        monkeypatch.setenv("MS_DEFORM_ATTN_CHECK_SHAPES", "1")
+        if in_list:
+            pytest.skip("tma needs spatial_shapes_list, which shows this error on the host")
+        hs = host_shapes(good("cpu")[1])  # the list cannot show a bad level_start_index
+    value, shapes, start, loc, attn = bad
+    value, loc, attn = (t.detach().requires_grad_() for t in (value, loc, attn))
+    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                              deterministic=deterministic, spatial_shapes_list=hs)
+    grads = torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+    assert torch.isnan(grads[1]).all() and torch.isnan(grads[2]).all()
+    assert torch.isfinite(grads[0]).all()
+    monkeypatch.setenv("MS_DEFORM_ATTN_CHECK_SHAPES", "1")
     with pytest.raises(RuntimeError, match=pattern):
-        msda.ms_deform_attn(*args, backend=backend)
+        msda.ms_deform_attn(*bad, backend=backend, spatial_shapes_list=hs)
     assert_usable(device)
 
 
@@ -119,7 +157,8 @@ HOST_LIST_CASES = [
      r"spatial_shapes.size\(0\) = 2 levels, got 2"),
     ("list_zero", [(4, 6), (0, 3)], r"spatial_shapes_list\[1\] = \(0, 3\) must be positive"),
     ("list_sum", [(4, 6), (2, 4)],
-     r"spatial_shapes_list must cover value.size\(1\) \(S\): sum of H \* W = 32, expected 30"),
+     r"value.size\(1\) \(S\) must equal the sum of H \* W over the levels of "
+     r"spatial_shapes_list = 32, got 30"),
 ]
 
 
@@ -168,19 +207,33 @@ def test_inputs_on_two_gpus():
     assert_usable("cuda")
 
 
-def test_unknown_backend():
-    args = good("cpu")
-    with pytest.raises(RuntimeError, match=r"backend 'nope' cannot run on CPU tensors"):
-        msda.ms_deform_attn(*args, backend="nope")
-    if torch.cuda.is_available():
-        args = good("cuda")
-        with pytest.raises(RuntimeError, match=r"unknown backend 'nope'; expected 'auto' or one of"):
-            msda.ms_deform_attn(*args, backend="nope")
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_unknown_backend(device, backend):
+    with pytest.raises(RuntimeError, match=r"unknown backend 'nope'; expected 'auto' or one of "
+                                           r"\['cpu', 'tma', 'cluster', 'persistent', 'baseline'\]"):
+        msda.ms_deform_attn(*good(device), backend="nope")
+    assert_usable(device)
 
 
 def test_cuda_backend_on_cpu_tensors():
     with pytest.raises(RuntimeError, match=r"backend 'baseline' cannot run on CPU tensors"):
         msda.ms_deform_attn(*good("cpu"), backend="baseline")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cpu_backend_on_cuda_tensors():
+    with pytest.raises(RuntimeError, match=r"backend 'cpu' cannot run .*on CUDA tensors"):
+        msda.ms_deform_attn(*good("cuda"), backend="cpu")
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_value_without_a_pixel_per_level(device, backend):
+    """S < L: some level would have no pixel (checked on the host, no sync)."""
+    value, shapes, start, loc, attn = good(device)
+    with pytest.raises(RuntimeError, match=r"value.size\(1\) \(S\) must be at least the number of "
+                                           r"levels \(2\).*got 1"):
+        msda.ms_deform_attn(value[:, :1], shapes, start, loc, attn, backend=backend)
+    assert_usable(device)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -193,21 +246,3 @@ def test_mixed_devices():
             msda.ms_deform_attn(*bad)
     # The process stays usable after the errors.
     assert torch.cuda.is_available() and (torch.ones(3, device="cuda") + 1).sum().item() == 6
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_bad_shapes_on_device_never_read_out_of_bounds():
-    """spatial_shapes on the GPU are not checked against S (that would sync);
-    levels that do not fit are treated as empty instead of read out of bounds."""
-    value, shapes, start, loc, attn = good("cuda")
-    huge = torch.tensor([[1 << 20, 1 << 20], [2, 3]], device="cuda")
-    out = msda.ms_deform_attn(value, huge, start, loc, attn)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
-    # The backward too, on both grad_value paths.
-    inputs = [t.detach().requires_grad_() for t in (value, loc, attn)]
-    for deterministic in (False, True):
-        out = msda.ms_deform_attn(inputs[0], huge, start, *inputs[1:], deterministic=deterministic)
-        grads = torch.autograd.grad(out, inputs, torch.ones_like(out))
-        torch.cuda.synchronize()
-        assert all(torch.isfinite(g).all() for g in grads)

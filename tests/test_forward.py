@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import (DTYPES, TOL, device_backends, make_inputs, reference64, reference_gather,
+from helpers import (DTYPES, TOL, device_backends, make_inputs, poisoned, reference64, reference_gather,
                      rel_err, run)
 
 # (N, Lq, M, D, level shapes, P): covers L 1..5 with non-square levels, P 1..8,
@@ -74,16 +74,23 @@ def test_empty(device, backend, n, lq):
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_non_finite_locations_sample_nothing(device, backend):
+def test_non_finite_samples_make_their_rows_nan(device, backend):
+    """A NaN or infinite location or weight makes its (query, head) row NaN,
+    as in the grid_sample reference (a diverging model fails loudly); huge
+    finite locations sample nothing; every other row is exact."""
     value, shapes, start, loc, attn = make_inputs(2, 30, 8, 32, [(9, 7), (5, 4)], 4,
                                                   torch.float32, device=device)
     specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30],
                             device=device)
     idx = torch.randint(0, specials.numel(), loc.shape, device=device)
-    mask = torch.rand(loc.shape, device=device) < 0.3
-    loc = torch.where(mask, specials[idx], loc)
+    loc = torch.where(torch.rand(loc.shape, device=device) < 0.02, specials[idx], loc)
+    idx = torch.randint(0, 3, attn.shape, device=device)
+    attn = torch.where(torch.rand(attn.shape, device=device) < 0.01, specials[idx], attn)
     out = run(value, shapes, start, loc, attn, backend)
-    assert torch.isfinite(out).all()
+    rows = poisoned(loc, attn).flatten(3).any(-1)
+    assert 0 < rows.sum() < rows.numel()
+    assert torch.isnan(out.view(2, 30, 8, 32)[rows]).all()
+    assert torch.isfinite(out.view(2, 30, 8, 32)[~rows]).all()
     assert rel_err(out, reference64(value, shapes, start, loc, attn)) <= TOL[torch.float32]
 
 

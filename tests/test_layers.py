@@ -361,7 +361,7 @@ def test_transformers_kernels_mapping(device, backend, name, monkeypatch):
     transformers' value_spatial_shapes_list as the host-side shapes (so the
     tma backend, chosen by the environment variable, runs too)."""
     kernels = pytest.importorskip("kernels")
-    from ms_deform_attn.hf import MultiScaleDeformableAttentionKernel, kernel_mapping
+    from ms_deform_attn.hf import kernelize, kernelized_layers
 
     factory, (h, w), extra, output, sites = HF_MODELS[name]
     model = factory(device)
@@ -369,21 +369,31 @@ def test_transformers_kernels_mapping(device, backend, name, monkeypatch):
     inputs.update(extra(device) if extra else {})
     with torch.no_grad():
         expected = getattr(model(**inputs), output)
-    # transformers marks its layer for kernelize (use_kernel_forward_from_hub)
-    # only with the kernels versions it supports; with another one installed,
-    # mark it here the same way (kernels.replace_kernel_forward_from_hub does
-    # this), undone after the test.
+    # ms_deform_attn.hf.kernelize marks transformers' layer for kernels where
+    # this transformers does not (it does only for the kernels versions it
+    # supports); undone after the test.
     for cls in {type(m) for m in model.modules() if type(m).__name__ == "MultiScaleDeformableAttention"}:
-        if getattr(cls, "kernel_layer_name", None) is None:
-            monkeypatch.setattr(cls, "kernel_layer_name", "MultiScaleDeformableAttention", raising=False)
-            monkeypatch.setattr(cls, "kernel_condition", staticmethod(lambda module: True), raising=False)
-    with kernels.use_kernel_mapping(kernel_mapping()):
-        model = kernels.kernelize(model, mode=kernels.Mode.INFERENCE, device=device)
-    replaced = [m for m in model.modules() if type(m).__name__ == "MultiScaleDeformableAttention"
-                and getattr(m.forward, "__func__", None) is MultiScaleDeformableAttentionKernel.forward]
-    assert len(replaced) == sites
+        for attr in ("kernel_layer_name", "kernel_condition"):
+            monkeypatch.setattr(cls, attr, getattr(cls, attr, None), raising=False)
+    model, replaced = kernelize(model, device=device)
+    assert replaced == sites == kernelized_layers(model)
     if device == "cuda":
         monkeypatch.setenv("MS_DEFORM_ATTN_BACKEND", backend)
     with torch.no_grad():
         out = getattr(model(**inputs), output)
     assert rel_err(out, expected.double()) <= 1e-5
+
+
+def test_kernelize_warns_when_nothing_is_replaced(monkeypatch):
+    """A kernels.kernelize that replaces nothing (as the README's plain
+    snippet did with kernels 0.17.2) is reported, not silent."""
+    kernels = pytest.importorskip("kernels")
+    from ms_deform_attn.hf import kernelize
+
+    factory, *_ = HF_MODELS["deformable_detr"]
+    model = factory("cpu")
+    monkeypatch.setattr(kernels, "kernelize", lambda model, **kwargs: model)
+    with pytest.warns(RuntimeWarning, match=r"replaced none of the model's \d+ "
+                                            r"MultiScaleDeformableAttention layers"):
+        _, replaced = kernelize(model)
+    assert replaced == 0

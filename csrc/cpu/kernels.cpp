@@ -5,6 +5,7 @@
 
 #include <vector>
 
+#include "../dispatch.h"
 #include "../sampling.h"
 
 namespace msda::cpu {
@@ -42,9 +43,9 @@ void forward_impl(const ForwardParams& p, int64_t begin, int64_t end) {
       const T* vl = value + value_row(n, lv[l].start, m, pb.S, M) * D;
       for (int pt = 0; pt < pb.P; ++pt) {
         const int64_t i = g * LP + l * pb.P + pt;
-        const auto b = make_bilinear<A>(A(loc[2 * i]), A(loc[2 * i + 1]), lv[l].H, lv[l].W);
-        if (!b.inside) continue;
         const A w = A(attn[i]);
+        const auto b = make_bilinear<A>(A(loc[2 * i]), A(loc[2 * i + 1]), w, lv[l].H, lv[l].W);
+        if (!b.inside) continue;
         for (int k = 0; k < 4; ++k) {
           if (!b.corner_ok(k, lv[l].H, lv[l].W)) continue;
           const T* v = vl + b.corner_offset(k, lv[l].W) * M * D;
@@ -80,8 +81,9 @@ void backward_impl(const BackwardParams& p, int64_t begin, int64_t end) {
         const int64_t row0 = value_row(n, lv[l].start, m, pb.S, M);
         for (int pt = 0; pt < pb.P; ++pt) {
           const int64_t i = g * LP + l * pb.P + pt;
-          const auto b = make_bilinear<A>(A(loc[2 * i]), A(loc[2 * i + 1]), lv[l].H, lv[l].W);
           const A w = A(attn[i]);
+          const auto b = make_bilinear<A>(A(loc[2 * i]), A(loc[2 * i + 1]), w, lv[l].H, lv[l].W);
+          const bool to_value = !b.poisoned();  // a poisoned sample adds nothing to grad_value
           A g_attn = 0, g_lw = 0, g_lh = 0;
           if (b.inside) {
             for (int k = 0; k < 4; ++k) {
@@ -93,7 +95,7 @@ void backward_impl(const BackwardParams& p, int64_t begin, int64_t end) {
               A dot = 0;
               for (int64_t c = 0; c < D; ++c) {
                 dot += go[c] * A(v[c]);
-                gv[c] += w * wk * go[c];
+                if (to_value) gv[c] += w * wk * go[c];
               }
               g_attn += wk * dot;
               g_lw += dlw * dot;
@@ -109,31 +111,17 @@ void backward_impl(const BackwardParams& p, int64_t begin, int64_t end) {
   }
 }
 
-// Calls f.template operator()<T, LT>() for the dtype pair of the problem.
-template <typename F>
-void dispatch_dtypes(const Problem& pb, F&& f) {
-  const bool loc32 = pb.loc_dtype == DType::f32;
-  switch (pb.value_dtype) {
-    case DType::f32: f(float{}, float{}); break;
-    case DType::f64: loc32 ? f(double{}, float{}) : f(double{}, double{}); break;
-    case DType::f16: loc32 ? f(c10::Half{}, float{}) : f(c10::Half{}, c10::Half{}); break;
-    case DType::bf16:
-      loc32 ? f(c10::BFloat16{}, float{}) : f(c10::BFloat16{}, c10::BFloat16{});
-      break;
-  }
-}
-
 }  // namespace
 
 void forward_range(const ForwardParams& p, int64_t begin, int64_t end) {
-  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
-    forward_impl<decltype(t), decltype(lt)>(p, begin, end);
+  dispatch_dtypes<c10::Half, c10::BFloat16>(p.pb, [&](auto t, auto lt) {
+    forward_impl<typename decltype(t)::type, typename decltype(lt)::type>(p, begin, end);
   });
 }
 
 void backward_range(const BackwardParams& p, int64_t begin, int64_t end) {
-  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
-    backward_impl<decltype(t), decltype(lt)>(p, begin, end);
+  dispatch_dtypes<c10::Half, c10::BFloat16>(p.pb, [&](auto t, auto lt) {
+    backward_impl<typename decltype(t)::type, typename decltype(lt)::type>(p, begin, end);
   });
 }
 

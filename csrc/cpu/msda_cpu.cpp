@@ -1,8 +1,11 @@
-// CPU registration of the operator: validation, allocation, parallel loop.
+// CPU kernels of the operator: validation, allocation, parallel loop
+// (at::parallel_for: OpenMP threads when the build has -fopenmp, setup.py).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../prepare.h"
+#include "../backends.h"
+#include "../output.h"
+#include "../validation.h"
 #include "kernels.h"
 
 namespace msda {
@@ -13,10 +16,11 @@ at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes
                        const at::Tensor& attention_weights, c10::string_view backend,
                        std::optional<bool> /*deterministic: the forward always is*/,
                        at::OptionalIntArrayRef spatial_shapes_list) {
-  TORCH_CHECK(backend == "auto" || backend == "cpu", "ms_deform_attn: backend '", backend,
-              "' cannot run on CPU tensors; backends available on cpu: ['cpu'] (or 'auto')");
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
-                                     sampling_locations, attention_weights, spatial_shapes_list);
+                                     sampling_locations, attention_weights, backend,
+                                     spatial_shapes_list);
+  const std::string why = backend_reason(backend, in.pb, value.device());
+  TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", backend, "' ", why);
   const auto& pb = in.pb;
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
   const int64_t groups = pb.N * pb.Lq * pb.M;
@@ -40,7 +44,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights);
   const auto& pb = in.pb;
-  const at::Tensor gout = prepare_grad_output(grad_output, in);
+  check_grad_output(grad_output, pb, value);
+  const at::Tensor gout = grad_output.contiguous();
   const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
   auto grad_loc = new_output(in.loc.sizes(), in.loc.options());

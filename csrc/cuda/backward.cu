@@ -19,14 +19,15 @@
 // sample's cell key and index are written instead, for the sort.
 #include <algorithm>
 
-#include "forward_common.cuh"
+#include "sampler.cuh"
 #include "launch.h"
 
 namespace msda::cuda {
 namespace {
 
 // Key of the cell sample `sample` lies in, or the largest key (past every
-// cell) when its footprint misses the level.
+// cell) when it adds nothing to grad_value (footprint off the level, or
+// poisoned).
 template <typename A>
 __device__ __forceinline__ void write_key(const BackwardParams& p, int64_t sample, bool inside,
                                           int64_t nm, int64_t level_base, const Bilinear<A>& b,
@@ -42,9 +43,10 @@ __device__ __forceinline__ void write_key(const BackwardParams& p, int64_t sampl
   }
 }
 
-// A round's samples hand their corners through CornerSlots (forward_common.cuh):
-// sample_corners()'s, with a corner outside the map flagged by the sign bit
-// (still loadable as pix & INT32_MAX); its weight is 0. pix[0] == kNoSample
+// A round's samples hand their corners through CornerSlots (sampler.cuh):
+// sample_corners()'s, with a corner outside the map, or any corner of a
+// poisoned sample, flagged by the sign bit (still loadable as
+// pix & INT32_MAX): it gets no grad_value. pix[0] == kNoSample
 // marks a sample that touches nothing (-1 is no flagged pixel: pixels are
 // below INT32_MAX, load_levels).
 template <typename A>
@@ -52,7 +54,7 @@ __device__ __forceinline__ Corners<A> backward_corners(const Bilinear<A>& b, con
   Corners<A> c = sample_corners(b, w, lv.H, lv.W, RowMajor{lv.W});
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    c.pix[k] = b.corner_ok(k, lv.H, lv.W) ? c.pix[k] : c.pix[k] | INT32_MIN;
+    c.pix[k] = b.corner_ok(k, lv.H, lv.W) && !b.poisoned() ? c.pix[k] : c.pix[k] | INT32_MIN;
   }
   return c;
 }
@@ -94,7 +96,7 @@ __device__ __forceinline__ void corner_grads(const T* vl, unsigned vstride, A* g
 template <typename A>
 struct BackwardSample {
   Bilinear<A> b{};
-  Level lv{0, 0, 0};
+  Level lv{0, 0, 0, false};
   A w = A(0);
   bool inside = false;  // the footprint touches the map
 };
@@ -106,11 +108,9 @@ __device__ __forceinline__ BackwardSample<A> load_sample(const LT* loc, const LT
   s.lv = lv;
   A xy[2];
   load_xy(loc + 2 * i, xy);
-  s.w = to_acc(attn[i]);
-  s.b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
-  // A level load_levels() emptied samples nothing (make_bilinear calls a 0 x 0
-  // map's centre "inside", and its clamped corners would be pixel -1).
-  s.inside = s.b.inside && lv.H > 0;
+  s.w = lv.weight(A(to_acc(attn[i])));
+  s.b = make_bilinear<A>(xy[0], xy[1], s.w, lv.H, lv.W);
+  s.inside = s.b.inside;
   return s;
 }
 
@@ -141,7 +141,7 @@ __device__ __forceinline__ void write_grads(const BackwardParams& p, const Backw
   const int64_t sample = group * p.pb.L * p.pb.P + i;
   if (p.cell_keys != nullptr) {
     const int64_t nm = group / (p.pb.Lq * p.pb.M) * p.pb.M + group % p.pb.M;
-    write_key(p, sample, s.inside, nm, level_base, s.b, s.lv.W);
+    write_key(p, sample, s.inside && !s.b.poisoned(), nm, level_base, s.b, s.lv.W);
   }
   static_cast<LT*>(p.grad_attn)[sample] = from_acc<LT>(acc_t<LT>(g[0]));
   LT* gloc = static_cast<LT*>(p.grad_loc) + sample * 2;

@@ -65,9 +65,9 @@ __global__ void __launch_bounds__(kThreads)
   const Level lv = levels[(id - row * LP) / pb.P];
   A xy[2];
   load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
-  const A w = A(to_acc(static_cast<const LT*>(p.attn)[id]));
+  const A w = lv.weight(A(to_acc(static_cast<const LT*>(p.attn)[id])));
   // The arithmetic of the key's: the same cell, hence the same corners.
-  const auto b = make_bilinear<A>(xy[0], xy[1], lv.H, lv.W);
+  const auto b = make_bilinear<A>(xy[0], xy[1], w, lv.H, lv.W);
   rows[j] = Id(row);
 #pragma unroll
   for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);

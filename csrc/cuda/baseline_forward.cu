@@ -3,7 +3,7 @@
 // (level, point) (one broadcast request per warp) and gather the four corners
 // with 16-byte vector loads. fp32 (fp64 for fp64) coordinate math and
 // accumulation.
-#include "forward_common.cuh"
+#include "sampler.cuh"
 #include "launch.h"
 
 namespace msda::cuda {

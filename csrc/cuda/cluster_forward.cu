@@ -25,7 +25,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "forward_common.cuh"
+#include "sampler.cuh"
 #include "launch.h"
 
 namespace msda::cuda {

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <type_traits>
 
+#include "../dispatch.h"
 #include "../params.h"
 #include "../sampling.h"
 
@@ -191,23 +192,52 @@ __device__ __forceinline__ QueryRow<LT> query_row(const Params& p, int64_t group
 }
 
 // ---- level metadata --------------------------------------------------------
+// poison: the level table on the device is inconsistent (see load_levels);
+// every sample then counts as poisoned (sampling.h), on a 1 x 1 level at
+// pixel 0, so the whole output and the location and weight gradients are NaN
+// and nothing outside value is read.
 struct Level {
   int H, W;
   int64_t start;
+  bool poison;
+
+  // The attention weight a sample on this level is resolved with.
+  template <typename A>
+  __device__ __forceinline__ A weight(A w) const { return poison ? A(NAN) : w; }
 };
 
 // Reads the level table into shared memory (call with every thread of the
-// block, then __syncthreads()). A level whose extent does not fit inside
-// [0, S) is made empty (H = W = 0): spatial_shapes on the device cannot be
-// checked without a host sync, so bad values must not read out of bounds.
+// block, then __syncthreads()). spatial_shapes and level_start_index on the
+// device cannot be checked by the host without a sync, so each block checks
+// the whole table here, as the host does for host tensors: every H, W > 0 and
+// H * W < 2^31, level_start_index the exclusive cumulative sum of H * W, and
+// the sum equal to S. If anything fails, every level becomes a poisoned 1 x 1
+// level at pixel 0 (the host checked S >= 1): the error shows as NaN results,
+// never as plausible numbers or an out-of-bounds read. Warp 0 does it, one
+// level a lane (kMaxLevels <= 32).
 __device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
                                             const int64_t* starts, int L, int64_t S) {
-  for (int l = threadIdx.x; l < L; l += blockDim.x) {
-    const int64_t H = shapes[2 * l], W = shapes[2 * l + 1], st = starts[l];
-    const bool ok = H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX &&
-                    st >= 0 && st <= S && H * W <= S - st;
-    lv[l] = ok ? Level{int(H), int(W), st} : Level{0, 0, 0};
+  static_assert(kMaxLevels <= 32, "one level a lane of warp 0");
+  if (threadIdx.x >= 32) return;
+  const int l = static_cast<int>(threadIdx.x);
+  int64_t H = 1, W = 1, st = 0;
+  if (l < L) {
+    H = shapes[2 * l];
+    W = shapes[2 * l + 1];
+    st = starts[l];
   }
+  const bool dims_ok = H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX;
+  const int64_t area = l < L && dims_ok ? H * W : 0;
+  int64_t end = area;  // inclusive scan of the areas over the lanes
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t t = __shfl_up_sync(0xffffffffu, end, o);
+    if (l >= o) end += t;
+  }
+  const bool start_ok = l >= L || st == end - area;
+  const int64_t total = __shfl_sync(0xffffffffu, end, L - 1);
+  const bool ok = __all_sync(0xffffffffu, dims_ok && start_ok) && total == S;
+  if (l < L) lv[l] = ok ? Level{int(H), int(W), st, false} : Level{1, 1, 0, true};
 }
 
 // ---- cells (deterministic backward) ---------------------------------------
@@ -273,23 +303,6 @@ __device__ __forceinline__ void group_sum(A (&v)[K], int lanes) {
 }
 
 // ---- dtype dispatch --------------------------------------------------------
-template <typename T> struct Tag { using type = T; };
-
-// Calls f(Tag<T>{}, Tag<LT>{}) for the (value, location) dtype pair.
-template <typename F>
-void dispatch_dtypes(const Problem& pb, F&& f) {
-  const bool loc32 = pb.loc_dtype == DType::f32;
-  switch (pb.value_dtype) {
-    case DType::f32: f(Tag<float>{}, Tag<float>{}); break;
-    case DType::f64: loc32 ? f(Tag<double>{}, Tag<float>{}) : f(Tag<double>{}, Tag<double>{}); break;
-    case DType::f16: loc32 ? f(Tag<__half>{}, Tag<float>{}) : f(Tag<__half>{}, Tag<__half>{}); break;
-    case DType::bf16:
-      loc32 ? f(Tag<__nv_bfloat16>{}, Tag<float>{})
-            : f(Tag<__nv_bfloat16>{}, Tag<__nv_bfloat16>{});
-      break;
-  }
-}
-
 // Runs Launch<T, LT, VEC>::run(p, stream) for the problem's dtype pair, with
 // VEC = kVecBytes bytes (of T, or of the accumulator type when kVecOfAcc)
 // when the binding allowed vector access (p.vec), else 1. The kernels are
@@ -298,7 +311,7 @@ template <template <typename, typename, int> class Launch, bool kVecOfAcc = fals
           int kVecBytes = 16, typename Params>
 cudaError_t launch_for_dtypes(const Params& p, cudaStream_t stream) {
   cudaError_t err = cudaSuccess;
-  dispatch_dtypes(p.pb, [&](auto t, auto lt) {
+  dispatch_dtypes<__half, __nv_bfloat16>(p.pb, [&](auto t, auto lt) {
     using T = typename decltype(t)::type;
     using LT = typename decltype(lt)::type;
     constexpr int kVec =

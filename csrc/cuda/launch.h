@@ -5,9 +5,23 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <initializer_list>
+
 #include "../params.h"
 
 namespace msda::cuda {
+
+// Elements per vector access: `want` when that divides D and every pointer in
+// `ptrs` is aligned to want * elem_size bytes, else 1 (the kernels are
+// instantiated for exactly these two widths).
+inline int pick_vec(int64_t D, int64_t elem_size, int want, std::initializer_list<const void*> ptrs) {
+  if (D % want != 0) return 1;
+  for (const void* p : ptrs) {
+    if (reinterpret_cast<uintptr_t>(p) % (want * elem_size) != 0) return 1;
+  }
+  return want;
+}
 
 // Forward backends.
 cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream);

@@ -30,7 +30,7 @@
 // slower than `baseline`, so `auto` never picks it.
 #include <algorithm>
 
-#include "forward_common.cuh"
+#include "sampler.cuh"
 #include "launch.h"
 
 namespace msda::cuda {

@@ -18,7 +18,7 @@
 //   barrier, and thread 0 issues the copies.
 // - Levels the descriptors cannot serve (host shapes that disagree with the
 //   device tensors, no box) read global memory only.
-#include "forward_common.cuh"
+#include "sampler.cuh"
 #include "launch.h"
 #include "tma_maps.h"
 

@@ -1,4 +1,4 @@
-// The per-sample gather shared by every CUDA forward backend: resolve a
+// The sampler shared by every CUDA kernel, forward and backward: resolve a
 // location on one level, fetch the four corners' VEC channels through the
 // backend's `fetch` (global memory, shared memory, ...), accumulate.
 #pragma once
@@ -11,9 +11,9 @@ namespace msda::cuda {
 
 // One sample resolved for the gather: the row-major pixel indices of its four
 // corners (clamped into the map, so always loadable) and their weights
-// (bilinear weight x attention weight; 0 for a corner outside the map).
-// pix[0] == kNoSample marks a sample that reads nothing (its footprint misses
-// the map, or its location is not finite).
+// (bilinear weight x attention weight; 0 for a corner outside the map; NaN
+// for a poisoned sample, sampling.h). pix[0] == kNoSample marks a sample that
+// reads nothing (its footprint misses the map).
 template <typename A>
 struct Corners {
   int pix[4];
@@ -51,9 +51,8 @@ struct CornerSlots {
 constexpr int kNoSample = -1;
 
 // The corners of footprint b with weight w, b inside the map (see Corners;
-// the backward keeps b for its location gradients). Requires H, W >= 1:
-// callers skip the empty levels load_levels() makes of levels that do not fit
-// in value. index(row, col) gives the number a backend's fetch wants for a
+// the backward keeps b for its location gradients). Requires H, W >= 1
+// (load_levels() guarantees it). index(row, col) gives the number a backend's fetch wants for a
 // corner (row, col) inside the map: by default the row-major pixel index; it
 // must never be kNoSample.
 template <typename A, typename Index>
@@ -70,7 +69,7 @@ __device__ __forceinline__ Corners<A> sample_corners(const Bilinear<A>& b, A w, 
 // kNoSample when its footprint misses the map.
 template <typename A, typename Index>
 __device__ __forceinline__ Corners<A> resolve_sample(A x, A y, A w, int H, int W, Index&& index) {
-  const auto b = make_bilinear<A>(x, y, H, W);
+  const auto b = make_bilinear<A>(x, y, w, H, W);
   Corners<A> c = sample_corners(b, w, H, W, index);
   if (!b.inside) c.pix[0] = kNoSample;
   return c;
@@ -246,10 +245,11 @@ __device__ __forceinline__ void forward_row(const Problem& pb, const Level* leve
     for (int e = 0; e < VEC; ++e) acc[e] = A(0);
     for (int l = 0; l < pb.L; ++l) {
       const Level lv = levels[l];
-      if (lv.H == 0) continue;  // level rejected by load_levels
       with_fetch(l, active ? c : 0, [&](auto&& fetch, auto&&... index) {
         gather_level(g, pb.P, l, loc, attn, active, slots, acc,
-                     [&](A x, A y, A w) { return resolve_sample(x, y, w, lv.H, lv.W, index...); },
+                     [&](A x, A y, A w) {
+                       return resolve_sample(x, y, lv.weight(w), lv.H, lv.W, index...);
+                     },
                      fetch);
       });
     }

@@ -1,8 +1,8 @@
-#include "prepare.h"
+#include "validation.h"
 
 #include <cstdlib>
-#include <limits>
 
+#include "backends.h"
 #include "sampling.h"
 
 namespace msda {
@@ -16,57 +16,50 @@ bool check_device_shapes() {
   return env != nullptr && std::string(env) == "1";
 }
 
-// spatial_shapes / level_start_index values (host tensors).
-void check_level_values(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                        const Problem& pb) {
-  auto shapes = spatial_shapes.contiguous();
-  auto starts = level_start_index.contiguous();
-  const int64_t* sh = shapes.data_ptr<int64_t>();
-  const int64_t* st = starts.data_ptr<int64_t>();
+// Level shapes known on the host, from `source` ("spatial_shapes" or
+// "spatial_shapes_list"): hw = (H0, W0, H1, ...); starts (may be null) the
+// host copy of level_start_index. One set of checks and messages for both.
+void check_levels(const int64_t* hw, const int64_t* starts, const char* source, const Problem& pb) {
   int64_t total = 0;
   for (int l = 0; l < pb.L; ++l) {
-    const int64_t H = sh[2 * l], W = sh[2 * l + 1];
-    TORCH_CHECK(H > 0 && W > 0, kOp, "spatial_shapes[", l, "] = (", H, ", ", W,
+    const int64_t H = hw[2 * l], W = hw[2 * l + 1];
+    TORCH_CHECK(H > 0 && W > 0, kOp, source, "[", l, "] = (", H, ", ", W,
                 ") must be positive (H, W)");
-    TORCH_CHECK(H * W <= INT32_MAX, kOp, "spatial_shapes[", l, "] = (", H, ", ", W,
-                "): H * W must be < 2^31");
-    TORCH_CHECK(st[l] == total, kOp, "level_start_index[", l,
+    TORCH_CHECK(H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX, kOp, source, "[", l,
+                "] = (", H, ", ", W, "): H * W must be < 2^31");
+    TORCH_CHECK(starts == nullptr || starts[l] == total, kOp, "level_start_index[", l,
                 "] must be the exclusive cumulative sum of H * W, expected ", total, ", got ",
-                st[l]);
+                starts == nullptr ? 0 : starts[l]);
     total += H * W;
   }
-  TORCH_CHECK(total == pb.S, kOp, "value.size(1) (S) must equal the sum of H * W over levels = ",
-              total, ", got ", pb.S);
+  TORCH_CHECK(total == pb.S, kOp, "value.size(1) (S) must equal the sum of H * W over the levels of ",
+              source, " = ", total, ", got ", pb.S);
 }
 
-// spatial_shapes_list: 2 * L positive numbers whose (H, W) pairs cover S.
-// Compared with spatial_shapes too when that is a host tensor (no sync); on
-// CUDA the kernels that use it (tma) fall back to spatial_shapes for any
-// level where the two disagree, so a wrong list never reads out of bounds.
-std::vector<int64_t> check_host_shapes(at::IntArrayRef list, const at::Tensor& spatial_shapes,
-                                       const Problem& pb) {
+void check_host_tensors(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                        const Problem& pb) {
+  const auto shapes = spatial_shapes.contiguous();
+  const auto starts = level_start_index.contiguous();
+  check_levels(shapes.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), "spatial_shapes", pb);
+}
+
+// spatial_shapes_list: one (H, W) pair per level covering S, equal to
+// spatial_shapes when that is a host tensor (no sync). On CUDA the tma
+// backend follows spatial_shapes on any level where a device tensor
+// disagrees with the list, so a wrong list never reads out of bounds.
+std::vector<int64_t> check_list(at::IntArrayRef list, const at::Tensor& spatial_shapes,
+                                const Problem& pb) {
   TORCH_CHECK(static_cast<int64_t>(list.size()) == 2 * pb.L, kOp,
               "spatial_shapes_list must hold one (H, W) pair per level, ", 2 * pb.L,
               " numbers for spatial_shapes.size(0) = ", pb.L, " levels, got ", list.size());
-  int64_t total = 0;
-  for (int l = 0; l < pb.L; ++l) {
-    const int64_t H = list[2 * l], W = list[2 * l + 1];
-    TORCH_CHECK(H > 0 && W > 0, kOp, "spatial_shapes_list[", l, "] = (", H, ", ", W,
-                ") must be positive (H, W)");
-    TORCH_CHECK(H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX, kOp, "spatial_shapes_list[",
-                l, "] = (", H, ", ", W, "): H * W must be < 2^31");
-    total += H * W;
-  }
-  TORCH_CHECK(total == pb.S, kOp,
-              "spatial_shapes_list must cover value.size(1) (S): sum of H * W = ", total,
-              ", expected ", pb.S);
+  check_levels(list.data(), nullptr, "spatial_shapes_list", pb);
   if (spatial_shapes.device().is_cpu()) {
-    auto shapes = spatial_shapes.contiguous();
+    const auto shapes = spatial_shapes.contiguous();
     const int64_t* sh = shapes.data_ptr<int64_t>();
-    for (int l = 0; l < 2 * pb.L; ++l) {
-      TORCH_CHECK(sh[l] == list[l], kOp, "spatial_shapes_list[", l / 2, "] = (", list[l / 2 * 2],
-                  ", ", list[l / 2 * 2 + 1], ") must equal spatial_shapes[", l / 2, "] = (",
-                  sh[l / 2 * 2], ", ", sh[l / 2 * 2 + 1], ")");
+    for (int l = 0; l < pb.L; ++l) {
+      TORCH_CHECK(sh[2 * l] == list[2 * l] && sh[2 * l + 1] == list[2 * l + 1], kOp,
+                  "spatial_shapes_list[", l, "] = (", list[2 * l], ", ", list[2 * l + 1],
+                  ") must equal spatial_shapes[", l, "] = (", sh[2 * l], ", ", sh[2 * l + 1], ")");
     }
   }
   return std::vector<int64_t>(list.begin(), list.end());
@@ -111,11 +104,12 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
-Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                        const at::Tensor& level_start_index,
-                        const at::Tensor& sampling_locations,
-                        const at::Tensor& attention_weights,
-                        at::OptionalIntArrayRef spatial_shapes_list) {
+Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                     const at::Tensor& attention_weights, c10::string_view backend,
+                     at::OptionalIntArrayRef spatial_shapes_list) {
+  check_backend_name(backend);
+
   // Ranks.
   check_rank(value, "value", 4, "(N, S, M, D)");
   check_rank(spatial_shapes, "spatial_shapes", 2, "(L, 2)");
@@ -148,7 +142,8 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   check_loc_dtype(attention_weights, "attention_weights", vt);
 
   // Sizes.
-  Problem pb;
+  Checked c;
+  Problem& pb = c.pb;
   pb.N = value.size(0);
   pb.S = value.size(1);
   pb.M = value.size(2);
@@ -160,6 +155,10 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
               "spatial_shapes.size(1) must be 2 ((H, W) per level), got ", spatial_shapes.size(1));
   TORCH_CHECK(pb.L >= 1 && pb.L <= kMaxLevels, kOp, "spatial_shapes.size(0) (levels) must be in [1, ",
               kMaxLevels, "], got ", spatial_shapes.size(0));
+  // Every level has a pixel: the kernels rely on S >= L (a device-side level
+  // table that fails its check reads pixel 0 of each level).
+  TORCH_CHECK(pb.S >= pb.L, kOp, "value.size(1) (S) must be at least the number of levels (",
+              pb.L, "), every level having H * W >= 1 pixels, got ", pb.S);
   TORCH_CHECK(pb.M >= 1, kOp, "value.size(2) (heads M) must be >= 1, got ", pb.M);
   TORCH_CHECK(pb.D >= 1, kOp, "value.size(3) (channels D) must be >= 1, got ", pb.D);
   TORCH_CHECK(pb.P >= 1, kOp, "sampling_locations.size(4) (points P) must be >= 1, got ", pb.P);
@@ -182,23 +181,47 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   check_size(attention_weights, "attention_weights", 4, "points P", pb.P,
              "sampling_locations.size(4)");
 
-  // Values of spatial_shapes / level_start_index: checkable without a host
-  // sync only when they live on the CPU. On CUDA the kernels treat a level
-  // that does not fit inside value as empty, so bad values never read out of
-  // bounds; MS_DEFORM_ATTN_CHECK_SHAPES=1 checks them there too, at the cost
-  // of a device-to-host copy (a sync: not for CUDA-graph capture).
-  if (spatial_shapes.device().is_cpu() && level_start_index.device().is_cpu()) {
-    check_level_values(spatial_shapes, level_start_index, pb);
-  } else if (check_device_shapes()) {
-    check_level_values(spatial_shapes.cpu(), level_start_index.cpu(), pb);
-  }
-
-  Prepared in;
+  // Level shapes, wherever the host has them. The list first: on CUDA it is
+  // the only host-side source.
   if (spatial_shapes_list.has_value()) {
-    in.host_shapes = check_host_shapes(*spatial_shapes_list, spatial_shapes, pb);
+    c.host_shapes = check_list(*spatial_shapes_list, spatial_shapes, pb);
     pb.host_shapes = true;
   }
-  in.pb = pb;
+  if (spatial_shapes.device().is_cpu()) {
+    check_host_tensors(spatial_shapes, level_start_index, pb);
+  } else if (check_device_shapes()) {
+    check_host_tensors(spatial_shapes.cpu(), level_start_index.cpu(), pb);
+  }
+
+  const auto lt = wider(sampling_locations.scalar_type(), attention_weights.scalar_type());
+  pb.value_dtype = to_dtype(vt);
+  pb.loc_dtype = to_dtype(lt);
+  return c;
+}
+
+void check_grad_output(const at::Tensor& grad_output, const Problem& pb, const at::Tensor& value) {
+  TORCH_CHECK(grad_output.device() == value.device(), kOp,
+              "grad_output must be on the same device as value (", value.device(), "), got ",
+              grad_output.device());
+  TORCH_CHECK(grad_output.dim() == 3 && grad_output.size(0) == pb.N &&
+                  grad_output.size(1) == pb.Lq && grad_output.size(2) == pb.M * pb.D,
+              kOp, "grad_output must have shape (N, Lq, M * D) = (", pb.N, ", ", pb.Lq, ", ",
+              pb.M * pb.D, "), got ", grad_output.sizes());
+  TORCH_CHECK(grad_output.scalar_type() == value.scalar_type(), kOp,
+              "grad_output must have the value's dtype (", value.scalar_type(), "), got ",
+              grad_output.scalar_type());
+}
+
+Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                        const at::Tensor& level_start_index,
+                        const at::Tensor& sampling_locations,
+                        const at::Tensor& attention_weights, c10::string_view backend,
+                        at::OptionalIntArrayRef spatial_shapes_list) {
+  Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
+                           attention_weights, backend, spatial_shapes_list);
+  Prepared in;
+  in.pb = c.pb;
+  in.host_shapes = std::move(c.host_shapes);
   in.loc_dtype_in = sampling_locations.scalar_type();
   in.attn_dtype_in = attention_weights.scalar_type();
   const auto lt = wider(in.loc_dtype_in, in.attn_dtype_in);
@@ -207,45 +230,7 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   in.level_start = level_start_index.contiguous();
   in.loc = sampling_locations.to(lt).contiguous();
   in.attn = attention_weights.to(lt).contiguous();
-  in.pb.value_dtype = to_dtype(vt);
-  in.pb.loc_dtype = to_dtype(lt);
   return in;
-}
-
-at::Tensor prepare_grad_output(const at::Tensor& grad_output, const Prepared& in) {
-  const auto& pb = in.pb;
-  TORCH_CHECK(grad_output.device() == in.value.device(), kOp,
-              "grad_output must be on the same device as value (", in.value.device(), "), got ",
-              grad_output.device());
-  TORCH_CHECK(grad_output.dim() == 3 && grad_output.size(0) == pb.N &&
-                  grad_output.size(1) == pb.Lq && grad_output.size(2) == pb.M * pb.D,
-              kOp, "grad_output must have shape (N, Lq, M * D) = (", pb.N, ", ", pb.Lq, ", ",
-              pb.M * pb.D, "), got ", grad_output.sizes());
-  TORCH_CHECK(grad_output.scalar_type() == in.value.scalar_type(), kOp,
-              "grad_output must have the value's dtype (", in.value.scalar_type(), "), got ",
-              grad_output.scalar_type());
-  return grad_output.contiguous();
-}
-
-at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  const char* env = std::getenv("MS_DEFORM_ATTN_POISON");
-  if (env != nullptr && env[0] == '1') {
-    return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
-  }
-  return at::empty(sizes, options);
-}
-
-CudaHooks& cuda_hooks() {
-  static CudaHooks hooks;
-  return hooks;
-}
-
-int pick_vec(int64_t D, int64_t elem_size, int want, std::initializer_list<const void*> ptrs) {
-  if (D % want != 0) return 1;
-  for (const void* p : ptrs) {
-    if (reinterpret_cast<uintptr_t>(p) % (want * elem_size) != 0) return 1;
-  }
-  return want;
 }
 
 }  // namespace msda

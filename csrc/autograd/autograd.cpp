@@ -1,0 +1,113 @@
+// Autograd of the operator, registered on the Autograd dispatch key, so that
+// Python, LibTorch programs and torch.compile / AOTInductor share one
+// backward: the forward saves its five inputs (all the gradients need), the
+// backward calls _ms_deform_attn_backward. That op's own Autograd kernel
+// refuses double backward with a clear error.
+#include <ATen/Context.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace msda {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+at::Tensor forward_op(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                      const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                      const at::Tensor& attention_weights, c10::string_view backend,
+                      std::optional<bool> deterministic,
+                      at::OptionalIntArrayRef spatial_shapes_list) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn", "")
+                       .typed<decltype(forward_op)>();
+  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                 backend, deterministic, spatial_shapes_list);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights, bool deterministic) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::_ms_deform_attn_backward", "")
+                       .typed<decltype(backward_op)>();
+  return op.call(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                 attention_weights, deterministic);
+}
+
+class MSDAFunction : public torch::autograd::Function<MSDAFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& value,
+                            const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                            const at::Tensor& sampling_locations,
+                            const at::Tensor& attention_weights, c10::string_view backend,
+                            std::optional<bool> deterministic,
+                            at::OptionalIntArrayRef spatial_shapes_list) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor out = forward_op(value, spatial_shapes, level_start_index, sampling_locations,
+                                attention_weights, backend, deterministic, spatial_shapes_list);
+    ctx->save_for_backward(
+        {value, spatial_shapes, level_start_index, sampling_locations, attention_weights});
+    // None: decided when the backward runs, as torch's own ops do.
+    ctx->saved_data["deterministic"] = deterministic.has_value() ? int64_t(*deterministic) : -1;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const int64_t det = ctx->saved_data["deterministic"].toInt();
+    const bool deterministic = det < 0 ? at::globalContext().deterministicAlgorithms() : det == 1;
+    auto [grad_value, grad_loc, grad_attn] =
+        backward_op(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], deterministic);
+    return {grad_value, at::Tensor(), at::Tensor(), grad_loc, grad_attn,
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+class MSDABackwardFunction : public torch::autograd::Function<MSDABackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext*, const at::Tensor& grad_output,
+                               const at::Tensor& value, const at::Tensor& spatial_shapes,
+                               const at::Tensor& level_start_index,
+                               const at::Tensor& sampling_locations,
+                               const at::Tensor& attention_weights, bool deterministic) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    auto [gv, gl, ga] = backward_op(grad_output, value, spatial_shapes, level_start_index,
+                                    sampling_locations, attention_weights, deterministic);
+    return {gv, gl, ga};
+  }
+
+  static variable_list backward(AutogradContext*, variable_list) {
+    TORCH_CHECK(false,
+                "ms_deform_attn: double backward (differentiating the gradient) is not supported");
+  }
+};
+
+at::Tensor forward_autograd(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                            const at::Tensor& level_start_index,
+                            const at::Tensor& sampling_locations,
+                            const at::Tensor& attention_weights, c10::string_view backend,
+                            std::optional<bool> deterministic,
+                            at::OptionalIntArrayRef spatial_shapes_list) {
+  return MSDAFunction::apply(value, spatial_shapes, level_start_index, sampling_locations,
+                             attention_weights, backend, deterministic, spatial_shapes_list);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_autograd(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights, bool deterministic) {
+  auto r = MSDABackwardFunction::apply(grad_output, value, spatial_shapes, level_start_index,
+                                       sampling_locations, attention_weights, deterministic);
+  return {r[0], r[1], r[2]};
+}
+
+}  // namespace
+}  // namespace msda
+
+TORCH_LIBRARY_IMPL(ms_deform_attn, Autograd, m) {
+  m.impl("ms_deform_attn", &msda::forward_autograd);
+  m.impl("_ms_deform_attn_backward", &msda::backward_autograd);
+}

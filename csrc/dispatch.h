@@ -1,0 +1,27 @@
+// The one dtype dispatch of the library, for the CPU and CUDA launchers
+// alike: each names its own 16-bit types (c10::Half / c10::BFloat16 on the
+// CPU, __half / __nv_bfloat16 in CUDA).
+#pragma once
+
+#include "params.h"
+
+namespace msda {
+
+template <typename T> struct Tag { using type = T; };
+
+// Calls f(Tag<T>{}, Tag<LT>{}) for the (value, location) dtype pair of pb:
+// locations and weights in value's dtype, or float32.
+template <typename Half, typename BFloat16, typename F>
+void dispatch_dtypes(const Problem& pb, F&& f) {
+  const bool loc32 = pb.loc_dtype == DType::f32;
+  switch (pb.value_dtype) {
+    case DType::f32: f(Tag<float>{}, Tag<float>{}); break;
+    case DType::f64: loc32 ? f(Tag<double>{}, Tag<float>{}) : f(Tag<double>{}, Tag<double>{}); break;
+    case DType::f16: loc32 ? f(Tag<Half>{}, Tag<float>{}) : f(Tag<Half>{}, Tag<Half>{}); break;
+    case DType::bf16:
+      loc32 ? f(Tag<BFloat16>{}, Tag<float>{}) : f(Tag<BFloat16>{}, Tag<BFloat16>{});
+      break;
+  }
+}
+
+}  // namespace msda

@@ -1,0 +1,77 @@
+// Input validation: the one host function every device and backend goes
+// through before any kernel runs (CPU and CUDA operators, the autograd
+// wrapper's backward, the backend queries). It never synchronises with a GPU.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "params.h"
+
+namespace msda {
+
+// What validation learns on the host: the problem's sizes and dtypes, and the
+// level shapes when the host has them (spatial_shapes_list, flattened
+// (H0, W0, H1, ...), or empty).
+struct Checked {
+  Problem pb;
+  std::vector<int64_t> host_shapes;
+};
+
+// Validates every argument and raises a c10::Error naming the argument, the
+// expected and the actual value:
+//   ranks, sizes, dtypes and devices of all five tensors;
+//   backend: "auto" or a known backend name (whether it can run the inputs
+//     is the backend table's question, backends.h);
+//   level shapes, wherever the host knows them: spatial_shapes and
+//     level_start_index when they are host tensors, spatial_shapes_list when
+//     given (each H, W > 0, H * W < 2^31, level_start_index the exclusive
+//     cumulative sum, the sum of H * W equal to S; the same checks and
+//     messages for both sources). Shapes that live only on the device are
+//     checked by the kernels instead (cuda/common.cuh, load_levels: NaN
+//     results), or here at the cost of a sync with MS_DEFORM_ATTN_CHECK_SHAPES=1.
+// Allocates and copies nothing.
+Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                     const at::Tensor& attention_weights, c10::string_view backend = "auto",
+                     at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
+
+// Checks grad_output (shape (N, Lq, M * D), value's dtype and device).
+void check_grad_output(const at::Tensor& grad_output, const Problem& pb,
+                       const at::Tensor& value);
+
+// The operator's inputs after check_inputs(): contiguous, locations and
+// weights in one dtype (the wider of the two when the caller mixed them).
+struct Prepared {
+  Problem pb;
+  at::Tensor value, spatial_shapes, level_start, loc, attn;
+  at::ScalarType loc_dtype_in, attn_dtype_in;  // what the caller passed
+  std::vector<int64_t> host_shapes;            // see Checked
+};
+
+Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                        const at::Tensor& level_start_index,
+                        const at::Tensor& sampling_locations,
+                        const at::Tensor& attention_weights, c10::string_view backend = "auto",
+                        at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
+
+// Points a ForwardParams / BackwardParams at the prepared inputs.
+template <typename Params>
+void set_inputs(Params& p, const Prepared& in) {
+  p.pb = in.pb;
+  p.value = in.value.data_ptr();
+  p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
+  p.level_start = in.level_start.data_ptr<int64_t>();
+  p.loc = in.loc.data_ptr();
+  p.attn = in.attn.data_ptr();
+  if constexpr (std::is_same_v<Params, ForwardParams>) {
+    p.host_shapes = in.host_shapes.empty() ? nullptr : in.host_shapes.data();
+  }
+}
+
+DType to_dtype(at::ScalarType t);
+
+}  // namespace msda

@@ -1,0 +1,76 @@
+// ms_deform_attn: Multi-Scale Deformable Attention (Deformable DETR, eq. 2)
+// for C++ (LibTorch) programs.
+//
+// Link the target ms_deform_attn::ms_deform_attn of the CMake package
+// (find_package(ms_deform_attn); see the README). The functions below call the
+// registered operator ms_deform_attn::ms_deform_attn through the dispatcher,
+// so CPU and CUDA kernels, autograd (tensor.backward() gives grad_value,
+// grad of the sampling locations and of the attention weights) and autocast
+// work as from Python; the backward is the same one Python uses.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/OptionalArrayRef.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#if defined(_WIN32)
+#define MS_DEFORM_ATTN_API
+#else
+#define MS_DEFORM_ATTN_API __attribute__((visibility("default")))
+#endif
+
+#define MS_DEFORM_ATTN_VERSION "0.1.0"
+
+// The version of the library loaded at run time (MS_DEFORM_ATTN_VERSION of
+// the build that made it).
+extern "C" MS_DEFORM_ATTN_API const char* ms_deform_attn_library_version(void);
+
+namespace ms_deform_attn {
+
+// out[n, q, m, :] = sum over levels l and points p of
+//   attention_weights[n, q, m, l, p] * bilinear(value level l, sampling_locations[n, q, m, l, p])
+// (F.grid_sample's bilinear, zeros padding, align_corners=False).
+//
+//   value               (N, S, M, D) float32, float16, bfloat16 or float64
+//   spatial_shapes      (L, 2) int64, (H, W) of each level, on value's device
+//   level_start_index   (L,) int64, the exclusive cumulative sum of H * W
+//   sampling_locations  (N, Lq, M, L, P, 2) normalised (x, y), value's dtype or float32
+//   attention_weights   (N, Lq, M, L, P), value's dtype or float32
+//   backend             "auto" or a name from available_backends()
+//   deterministic       bitwise reproducible backward (default: follow
+//                       at::globalContext().deterministicAlgorithms())
+//   spatial_shapes_list the level shapes on the host, flattened {H0, W0, H1, W1, ...};
+//                       optional (checked without a sync; the CUDA `tma` backend needs it)
+// Returns (N, Lq, M * D) in value's dtype. Bad input throws c10::Error naming
+// the argument, the expected and the actual value.
+MS_DEFORM_ATTN_API at::Tensor ms_deform_attn(
+    const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights, const std::string& backend = "auto",
+    std::optional<bool> deterministic = std::nullopt,
+    at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
+
+// Backends that can run on `device` (its kind and architecture, this build),
+// in the order "auto" prefers them.
+MS_DEFORM_ATTN_API std::vector<std::string> available_backends(c10::Device device);
+
+// The backend "auto" picks for these inputs; throws for invalid inputs.
+MS_DEFORM_ATTN_API std::string select_backend(
+    const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights,
+    at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
+
+// Why `backend` cannot run these inputs, or "" when it can; throws for
+// invalid inputs.
+MS_DEFORM_ATTN_API std::string backend_reason(
+    const std::string& backend, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights,
+    at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
+
+}  // namespace ms_deform_attn
