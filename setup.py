@@ -143,7 +143,12 @@ def library():
     cxx = ["-O3"]
     if os.environ.get("MSDA_DEBUG", "0") == "1":
         cxx = ["-O0", "-g"]
-    link = ["-Wl,-soname,libms_deform_attn.so"]
+    # LibTorch's libraries (libc10_cuda, ...) are found next to the torch
+    # package beside this one (site-packages/torch/lib), or where the torch
+    # it was built with lives: a C++ program's own run path does not reach
+    # this library's dependencies.
+    torch_lib = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")
+    link = ["-Wl,-soname,libms_deform_attn.so", "-Wl,-rpath,$ORIGIN/../../torch/lib:" + torch_lib]
     omp = openmp_flag()
     if omp:
         cxx.append(omp)

@@ -150,10 +150,12 @@ const bool kHooksInstalled = [] {
 
 const CudaBackend& backend_for(c10::string_view backend, const Problem& pb, int device) {
   const std::string name = backend == "auto" ? select(pb, device) : std::string(backend);
+  // The device-agnostic answer first: "cpu" is a backend, not of this table.
+  const std::string why =
+      msda::backend_reason(name, pb, c10::Device(c10::DeviceType::CUDA, resolve_device(device)));
+  TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
   const CudaBackend* b = find(name);
   TORCH_CHECK(b != nullptr, "ms_deform_attn: ", unknown(name));
-  const std::string why = why_not(*b, pb, device);
-  TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
   return *b;
 }
 

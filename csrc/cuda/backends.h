@@ -4,6 +4,7 @@
 // (../backends.h) are answered from here too.
 #pragma once
 
+#include <c10/util/string_view.h>
 #include <cuda_runtime.h>
 
 #include <string>
