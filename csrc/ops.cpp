@@ -4,14 +4,38 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include "backends.h"
 #include "ms_deform_attn/ms_deform_attn.h"
 #include "validation.h"
 
 namespace msda {
-namespace {
 
-std::vector<std::string> available(c10::Device device) { return available_backends(device); }
+at::Tensor call_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                        const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                        const at::Tensor& attention_weights, c10::string_view backend,
+                        std::optional<bool> deterministic,
+                        at::OptionalIntArrayRef spatial_shapes_list) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn", "")
+                       .typed<decltype(call_forward)>();
+  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                 backend, deterministic, spatial_shapes_list);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights, bool deterministic) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::_ms_deform_attn_backward", "")
+                       .typed<decltype(call_backward)>();
+  return op.call(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                 attention_weights, deterministic);
+}
+
+namespace {
 
 // The queries validate the inputs (no copies) and ask the backend table.
 std::string select(const at::Tensor& value, const at::Tensor& spatial_shapes,
@@ -45,7 +69,7 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
       "bool deterministic=False) -> (Tensor, Tensor, Tensor)");
   // Host-side queries: no tensors out, never traced.
-  m.def("_available_backends(Device device) -> str[]", &msda::available);
+  m.def("_available_backends(Device device) -> str[]", &msda::available_backends);
   m.def(
       "_select_backend(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, int[]? spatial_shapes_list=None) -> str",
@@ -68,13 +92,8 @@ at::Tensor ms_deform_attn(const at::Tensor& value, const at::Tensor& spatial_sha
                           const at::Tensor& attention_weights, const std::string& backend,
                           std::optional<bool> deterministic,
                           at::OptionalIntArrayRef spatial_shapes_list) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, c10::string_view,
-                                         std::optional<bool>, at::OptionalIntArrayRef)>();
-  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                 backend, deterministic, spatial_shapes_list);
+  return msda::call_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                            attention_weights, backend, deterministic, spatial_shapes_list);
 }
 
 std::vector<std::string> available_backends(c10::Device device) {

@@ -7,6 +7,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
+#include "../ops.h"
+
 namespace msda {
 namespace {
 
@@ -21,13 +23,8 @@ at::Tensor forward_autocast(const at::Tensor& value, const at::Tensor& spatial_s
                             std::optional<bool> deterministic,
                             at::OptionalIntArrayRef spatial_shapes_list) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, c10::string_view,
-                                         std::optional<bool>, at::OptionalIntArrayRef)>();
-  return op.call(value, spatial_shapes, level_start_index, to_fp32(sampling_locations),
-                 to_fp32(attention_weights), backend, deterministic, spatial_shapes_list);
+  return call_forward(value, spatial_shapes, level_start_index, to_fp32(sampling_locations),
+                      to_fp32(attention_weights), backend, deterministic, spatial_shapes_list);
 }
 
 }  // namespace

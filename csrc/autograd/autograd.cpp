@@ -4,38 +4,16 @@
 // backward calls _ms_deform_attn_backward. That op's own Autograd kernel
 // refuses double backward with a clear error.
 #include <ATen/Context.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include "../ops.h"
 
 namespace msda {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-at::Tensor forward_op(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                      const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                      const at::Tensor& attention_weights, c10::string_view backend,
-                      std::optional<bool> deterministic,
-                      at::OptionalIntArrayRef spatial_shapes_list) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn", "")
-                       .typed<decltype(forward_op)>();
-  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                 backend, deterministic, spatial_shapes_list);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(
-    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
-    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-    const at::Tensor& attention_weights, bool deterministic) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::_ms_deform_attn_backward", "")
-                       .typed<decltype(backward_op)>();
-  return op.call(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                 attention_weights, deterministic);
-}
 
 class MSDAFunction : public torch::autograd::Function<MSDAFunction> {
  public:
@@ -46,7 +24,7 @@ class MSDAFunction : public torch::autograd::Function<MSDAFunction> {
                             std::optional<bool> deterministic,
                             at::OptionalIntArrayRef spatial_shapes_list) {
     at::AutoDispatchBelowADInplaceOrView below;
-    at::Tensor out = forward_op(value, spatial_shapes, level_start_index, sampling_locations,
+    at::Tensor out = call_forward(value, spatial_shapes, level_start_index, sampling_locations,
                                 attention_weights, backend, deterministic, spatial_shapes_list);
     ctx->save_for_backward(
         {value, spatial_shapes, level_start_index, sampling_locations, attention_weights});
@@ -60,7 +38,7 @@ class MSDAFunction : public torch::autograd::Function<MSDAFunction> {
     const int64_t det = ctx->saved_data["deterministic"].toInt();
     const bool deterministic = det < 0 ? at::globalContext().deterministicAlgorithms() : det == 1;
     auto [grad_value, grad_loc, grad_attn] =
-        backward_op(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], deterministic);
+        call_backward(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], deterministic);
     return {grad_value, at::Tensor(), at::Tensor(), grad_loc, grad_attn,
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -74,7 +52,7 @@ class MSDABackwardFunction : public torch::autograd::Function<MSDABackwardFuncti
                                const at::Tensor& sampling_locations,
                                const at::Tensor& attention_weights, bool deterministic) {
     at::AutoDispatchBelowADInplaceOrView below;
-    auto [gv, gl, ga] = backward_op(grad_output, value, spatial_shapes, level_start_index,
+    auto [gv, gl, ga] = call_backward(grad_output, value, spatial_shapes, level_start_index,
                                     sampling_locations, attention_weights, deterministic);
     return {gv, gl, ga};
   }

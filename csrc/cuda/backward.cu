@@ -92,13 +92,13 @@ __device__ __forceinline__ void corner_grads(const T* vl, unsigned vstride, A* g
   }
 }
 
-// A sample of one group resolved: its level, bilinear footprint and weight.
+// A sample of one group resolved: its level, bilinear footprint (b.inside:
+// it touches the map) and weight.
 template <typename A>
 struct BackwardSample {
-  Bilinear<A> b{};
+  Bilinear<A> b{};  // value-initialised: not inside
   Level lv{0, 0, 0, false};
   A w = A(0);
-  bool inside = false;  // the footprint touches the map
 };
 
 template <typename A, typename LT>
@@ -110,7 +110,6 @@ __device__ __forceinline__ BackwardSample<A> load_sample(const LT* loc, const LT
   load_xy(loc + 2 * i, xy);
   s.w = lv.weight(A(to_acc(attn[i])));
   s.b = make_bilinear<A>(xy[0], xy[1], s.w, lv.H, lv.W);
-  s.inside = s.b.inside;
   return s;
 }
 
@@ -121,7 +120,7 @@ template <typename A>
 __device__ __forceinline__ void sample_grads(const BackwardSample<A>& s, const A (&dot)[4],
                                              A (&g)[3]) {
   g[0] = g[1] = g[2] = A(0);
-  if (!s.inside) return;
+  if (!s.b.inside) return;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
     const A d = s.b.corner_ok(k, s.lv.H, s.lv.W) ? dot[k] : A(0);
@@ -141,7 +140,7 @@ __device__ __forceinline__ void write_grads(const BackwardParams& p, const Backw
   const int64_t sample = group * p.pb.L * p.pb.P + i;
   if (p.cell_keys != nullptr) {
     const int64_t nm = group / (p.pb.Lq * p.pb.M) * p.pb.M + group % p.pb.M;
-    write_key(p, sample, s.inside && !s.b.poisoned(), nm, level_base, s.b, s.lv.W);
+    write_key(p, sample, s.b.inside && !s.b.poisoned(), nm, level_base, s.b, s.lv.W);
   }
   static_cast<LT*>(p.grad_attn)[sample] = from_acc<LT>(acc_t<LT>(g[0]));
   LT* gloc = static_cast<LT*>(p.grad_loc) + sample * 2;
@@ -233,7 +232,7 @@ __global__ void __launch_bounds__(kThreads)
       if (live) s = load_sample<A>(loc, attn, i, levels[l]);
       if (lane < R) {
         Corners<A> c{{kNoSample, kNoSample, kNoSample, kNoSample}, {A(0), A(0), A(0), A(0)}};
-        if (s.inside) c = backward_corners(s.b, s.lv, s.w);
+        if (s.b.inside) c = backward_corners(s.b, s.lv, s.w);
         slots.put(g.slot(lane), c);
       }
       __syncwarp(g.mask);
@@ -269,7 +268,7 @@ __global__ void __launch_bounds__(kThreads)
       BackwardSample<A> s;
       if (live) s = load_sample<A>(loc, attn, i, levels[l]);
       A dot[4] = {A(0), A(0), A(0), A(0)};
-      if (s.inside) gather(backward_corners(s.b, s.lv, s.w), l, dot);
+      if (s.b.inside) gather(backward_corners(s.b, s.lv, s.w), l, dot);
       A gr[3];
       sample_grads(s, dot, gr);
       group_sum(gr, lanes);

@@ -95,8 +95,8 @@ __global__ void __launch_bounds__(kThreads, 4)
   const T* gout = static_cast<const T*>(p.grad_out);
 
   int l = 0;  // the level holding pixel s (if any)
-  while (l < pb.L && !(levels[l].H > 0 && s >= levels[l].start &&
-                       s - levels[l].start < int64_t(levels[l].H) * levels[l].W)) {
+  while (l < pb.L &&
+         !(s >= levels[l].start && s - levels[l].start < int64_t(levels[l].H) * levels[l].W)) {
     ++l;
   }
   for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {

@@ -29,7 +29,7 @@ int bits_for(int64_t x) {
 at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaStream_t stream) {
   const auto& pb = in.pb;
   p.cell_stride = 2 * pb.S + 2 * pb.L;
-  cuda::DeterministicBuffers b;
+  DeterministicBuffers b;
   b.items = pb.N * pb.Lq * pb.M * pb.L * pb.P;
   b.cells = pb.N * pb.M * p.cell_stride;
   b.end_bit = bits_for(b.cells);

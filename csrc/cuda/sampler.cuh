@@ -111,7 +111,6 @@ __device__ inline void plan_cache(const Level* lv, int L, int64_t capacity, int6
     }
     done |= 1u << best;
     const int64_t pixels = int64_t(lv[best].H) * lv[best].W;
-    if (pixels == 0) continue;
     if (used + pixels > capacity) break;  // larger levels will not fit either
     off[best] = used;
     used += pixels;

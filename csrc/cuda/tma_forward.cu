@@ -139,7 +139,7 @@ __device__ __forceinline__ void footprint(const Problem& pb, const Level* levels
   for (int l = 0; l < pb.L; ++l) {
     const Level lv = levels[l];
     float sx = 0.f, sy = 0.f, cnt = 0.f;
-    if (valid && lv.H > 0) {
+    if (valid) {
       for (int i = lane; i < pb.P; i += lanes) {
         float xy[2];
         load_xy(loc + 2 * (int64_t(l) * pb.P + i), xy);
@@ -221,7 +221,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       const int bw = lvs.box_w[l], bh = lvs.box_h[l];
       // The descriptors were made from the host's shapes: a level where the
       // device tensors say otherwise reads global memory only.
-      const bool ok = lv.H > 0 && bw > 0 && b.sums[2][l] > 0.f && lv.H == lvs.H[l] &&
+      const bool ok = bw > 0 && b.sums[2][l] > 0.f && lv.H == lvs.H[l] &&
                       lv.W == lvs.W[l] && lv.start == lvs.start[l];
       b.staged[l] = ok;
       if (ok) {
