@@ -56,14 +56,14 @@ std::string tma_problem(const Problem& pb, const cudaDeviceProp&) {
 // backend on the canonical workloads (`auto:` lines check this choice).
 const CudaBackend kBackends[] = {
     // Needs host-side level shapes (spatial_shapes_list). Measured slower than
-    // baseline on every canonical workload (ddetr_enc bf16 252 against 150 us:
-    // more instructions a sample than the loads it saves, benchmarks/NOTES.md):
-    // explicit requests only.
+    // baseline on every canonical workload (more instructions a sample than
+    // the loads it saves; BENCHMARKS.md, benchmarks/NOTES.md): explicit
+    // requests only.
     // 16-byte aligned value: the copy engine's global address alignment.
     {"tma", needs_tma, tma_problem, never, no_workspace, &cuda::tma_forward, 16},
-    // Correct, but bound by distributed shared memory: 2.0 TB/s over the
-    // chip (benchmarks/dsmem.py, H200) for ~7/8 of every sample's corner
-    // reads; 4.5x slower than baseline on ddetr_enc bf16 (benchmarks/NOTES.md).
+    // Correct, but bound by the bandwidth of distributed shared memory
+    // (benchmarks/dsmem.py measures it), which serves most of every sample's
+    // corner reads; slower than baseline (BENCHMARKS.md, benchmarks/NOTES.md).
     {"cluster", needs_clusters, runs_any_problem, never, no_workspace, &cuda::cluster_forward, 1},
     // Measured slower than baseline on every canonical workload so far
     // (BENCHMARKS.md, benchmarks/NOTES.md: L1/TEX-bound either way, and its

@@ -60,8 +60,8 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   b.weights = weights.data_ptr();
   at::Tensor grad_value = new_output(in.value.sizes(), in.value.options());
   b.grad_value = grad_value.data_ptr();
-  // 16 bytes of the value dtype per lane (tried: 32 bytes of the fp32
-  // accumulator made the fp32 gather 1.4x slower, benchmarks/NOTES.md).
+  // 16 bytes of the value dtype per lane (32 bytes of the fp32 accumulator
+  // measured slower, benchmarks/NOTES.md).
   const int64_t elem = in.value.element_size();
   b.vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.grad_out, b.grad_value});
   C10_CUDA_CHECK(cuda::deterministic_value_grad(p, b, stream));

@@ -170,8 +170,7 @@ struct GroupLanes {
   // slots are consecutive 16-byte words (the reads, every group at once, hit
   // distinct banks); the rotation makes the 8 threads of each quarter-warp
   // write 8 distinct 16-byte bank groups too (without it, lanes of 2-16
-  // wrote 2-4-way conflicts: 75 % of the shared-store wavefronts of the
-  // forward, ncu on seed). Checked for every lane count by enumeration.
+  // write 2-4-way conflicts). Checked for every lane count by enumeration.
   // rotation(j): j * 8 / lanes for 1-4 lanes, j / 2 for 8, j / 4 for 16
   // (then taken mod groups = 2), nothing for 32.
   __device__ __forceinline__ int slot(int j) const {

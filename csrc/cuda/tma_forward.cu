@@ -27,8 +27,8 @@ namespace {
 
 constexpr int kTmaThreads = 512;
 // Both stages together by default: small enough for two blocks an SM (16 KB
-// of CornerSlots each besides). Measured on ddetr_enc bf16 (H200): 374 us
-// with full-size boxes (~182 KB, one block an SM), 253 us with 40-90 KB.
+// of CornerSlots each besides); full-size boxes (one block an SM) measured
+// slower (benchmarks/NOTES.md).
 constexpr int64_t kDefaultStages = 64 * 1024;
 
 struct TmaParams {
