@@ -5,7 +5,6 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
-#include <cstdlib>
 
 #include "../output.h"
 #include "../validation.h"
@@ -66,68 +65,6 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   const int64_t elem = in.value.element_size();
   b.vec = pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.grad_out, b.grad_value});
   C10_CUDA_CHECK(cuda::deterministic_value_grad(p, b, stream));
-  return grad_value;
-}
-
-// The backward without global atomics (backward_tiled.cu). Writes grad_loc
-// and grad_attn through p and returns grad_value.
-at::Tensor tiled_grad_value(BackwardParams p, const Prepared& in, cudaStream_t stream) {
-  const auto& pb = in.pb;
-  TiledBackward tb;
-  tb.items = pb.N * pb.Lq * pb.M * pb.L * pb.P;
-  if (tb.items == 0) return at::zeros(in.value.sizes(), in.value.options());
-  p.cell_stride = 2 * pb.S + 2 * pb.L;
-  p.grad_value_acc = nullptr;
-  const int64_t elem = in.value.element_size();
-  p.vec = pick_vec(pb.D, elem, elem == 8 ? 4 : 8, {p.value, p.grad_out});
-  at::Tensor grad_value = new_output(in.value.sizes(), in.value.options());
-  if (p.vec > 1 && reinterpret_cast<uintptr_t>(grad_value.data_ptr()) % 16 != 0) p.vec = 1;
-  tb.p = p;
-  tb.cells = pb.N * pb.M * p.cell_stride;
-  tb.end_bit = bits_for(tb.cells);
-  tb.wide = tb.cells >= int64_t(UINT32_MAX) || tb.items >= int64_t(UINT32_MAX);
-  const auto idx = in.value.options().dtype(tb.wide ? at::kLong : at::kInt);
-  at::Tensor keys = at::empty({tb.items}, idx), ids = at::empty({tb.items}, idx);
-  at::Tensor sorted_keys = at::empty({tb.items}, idx), sorted_ids = at::empty({tb.items}, idx);
-  at::Tensor starts = at::empty({tb.cells + 1}, idx);
-  tb.keys = keys.data_ptr();
-  tb.ids = ids.data_ptr();
-  tb.sorted_keys = sorted_keys.data_ptr();
-  tb.sorted_ids = sorted_ids.data_ptr();
-  tb.cell_start = starts.data_ptr();
-  C10_CUDA_CHECK(tiled_sort_temp_bytes(tb, tb.temp_bytes));
-  at::Tensor temp = at::empty({int64_t(std::max<size_t>(tb.temp_bytes, 1))},
-                              in.value.options().dtype(at::kByte));
-  tb.temp = temp.data_ptr();
-  const int slice = tiled_slice_channels(p.vec);
-  tb.slices = static_cast<int>((pb.D + slice - 1) / slice);
-  at::Tensor dots;
-  if (tb.slices > 1) {
-    const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-    dots = at::empty({tb.slices, tb.items, 4}, in.value.options().dtype(acc_type));
-    tb.dots = dots.data_ptr();
-  }
-  at::Tensor counter = at::empty({tb.slices}, in.value.options().dtype(at::kInt));
-  tb.counter = static_cast<unsigned*>(counter.data_ptr());
-  C10_CUDA_CHECK(cudaMemsetAsync(tb.counter, 0, sizeof(unsigned) * tb.slices, stream));
-  // Stage: 96 KB by default (two blocks an SM, as registers allow); MS_DEFORM_ATTN_TILE_SMEM for tuning.
-  int64_t budget = 96 * 1024;
-  if (const char* env = std::getenv("MS_DEFORM_ATTN_TILE_SMEM")) budget = std::atoll(env);
-  const int64_t per_sample = tiled_stage_bytes_per_sample(pb.value_dtype, p.vec);
-  // A chunk holds at least two samples a cell of the window (backward_tiled.cu).
-  tb.cap = static_cast<int>(std::max<int64_t>(2 * tiled_window_cells(), budget / per_sample));
-  // Tiles of one (n, m): sum over levels of (H / 8 + 1) (W / 8 + 1) <=
-  // S / 64 + (S + L) / 8 + L (H + W <= H W + 1); blocks beyond the tiles find
-  // the counter exhausted.
-  const int64_t tiles = pb.N * pb.M * (pb.S / 64 + (pb.S + pb.L) / 8 + 2 * pb.L);
-  int dev = 0, sms = 132;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  int64_t per_sm = 6;
-  if (const char* env = std::getenv("MS_DEFORM_ATTN_TILE_BLOCKS")) per_sm = std::atoll(env);
-  tb.blocks = static_cast<unsigned>(std::min<int64_t>(tiles, per_sm * sms));
-  tb.grad_value = grad_value.data_ptr();
-  C10_CUDA_CHECK(tiled_backward(tb, stream));
   return grad_value;
 }
 

@@ -14,8 +14,4 @@ namespace msda::cuda {
 // on every run. p is the backward's params with everything but grad_value set.
 at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaStream_t stream);
 
-// The backward without global atomics (backward_tiled.cu): grad_loc and
-// grad_attn through p, grad_value returned; bitwise the same on every run.
-at::Tensor tiled_grad_value(BackwardParams p, const Prepared& in, cudaStream_t stream);
-
 }  // namespace msda::cuda

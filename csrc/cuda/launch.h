@@ -62,35 +62,4 @@ cudaError_t deterministic_temp_bytes(const DeterministicBuffers& b, size_t& byte
 cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,
                                      cudaStream_t stream);
 
-// The backward without global atomics (backward_tiled.cu): location and
-// weight gradients, and grad_value written once in the value's dtype.
-// Scratch: per sample a key and an index, sorted copies of both (unsigned,
-// uint64 when wide) and, with D in several slices, 4 accumulators a slice;
-// per cell one start; the sort's temp; one counter a slice.
-struct TiledBackward {
-  BackwardParams p;          // p.vec: 32 bytes of the accumulator, or 1
-  int64_t items = 0;         // samples: N * Lq * M * L * P (> 0)
-  int64_t cells = 0;         // N * M * p.cell_stride
-  int end_bit = 0;           // cells < 2^end_bit
-  bool wide = false;
-  void* keys = nullptr;
-  void* ids = nullptr;
-  void* sorted_keys = nullptr;
-  void* sorted_ids = nullptr;
-  void* cell_start = nullptr;  // cells + 1
-  void* temp = nullptr;
-  size_t temp_bytes = 0;
-  void* dots = nullptr;        // slices * items * 4 accumulators when slices > 1
-  unsigned* counter = nullptr; // slices, zeroed
-  void* grad_value = nullptr;  // (N, S, M, D), value dtype
-  int cap = 0;                 // samples a chunk
-  int slices = 1;              // D / tiled_slice_channels(vec), rounded up
-  unsigned blocks = 0;         // blocks a slice
-};
-int tiled_slice_channels(int vec);
-int64_t tiled_stage_bytes_per_sample(DType value_dtype, int vec);
-int tiled_window_cells();
-cudaError_t tiled_sort_temp_bytes(const TiledBackward& tb, size_t& bytes);
-cudaError_t tiled_backward(const TiledBackward& tb, cudaStream_t stream);
-
 }  // namespace msda::cuda

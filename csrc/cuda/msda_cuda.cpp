@@ -7,7 +7,6 @@
 #include <torch/library.h>
 
 #include <cstdlib>
-#include <string>
 
 #include "../output.h"
 #include "../validation.h"
@@ -82,18 +81,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   p.grad_out = gout.data_ptr();
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
-  at::Tensor grad_value;
-  // Which backward runs (for the benchmarks while the paths are compared):
-  // MS_DEFORM_ATTN_BACKWARD = tiled | atomic | sorted.
-  const char* which = std::getenv("MS_DEFORM_ATTN_BACKWARD");
-  const std::string path = which ? which : (deterministic ? "tiled" : "atomic");
   // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
   // atomics, 32 bytes without (see backward.cu).
-  const int want = (vt == at::kDouble ? 2 : 4) * (path == "atomic" ? 1 : 2);
+  const int want = (vt == at::kDouble ? 2 : 4) * (deterministic ? 2 : 1);
   p.vec = cuda::pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
-  if (path == "tiled") {
-    grad_value = cuda::tiled_grad_value(p, in, stream);
-  } else if (path == "sorted") {
+  at::Tensor grad_value;
+  if (deterministic) {
     grad_value = cuda::deterministic_grad_value(p, in, stream);
   } else {
     auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
