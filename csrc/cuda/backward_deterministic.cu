@@ -11,11 +11,14 @@
 //   4. pack_samples: per sorted position, the sample's grad_output row and its
 //      four corner weights times its attention weight, stored contiguously so
 //      that the gather reads them with independent, sequential loads.
-//   5. value_grad_gather: one lane group per value pixel (n, s, m) walks the
-//      samples of the four cells that have the pixel as a corner, in that fixed
-//      order, and writes the pixel's grad once, in the value's dtype. Pixels
-//      no sample touches get 0; no zero-fill pass, no accumulator buffer.
+//   5. value_grad_pixels: every value pixel (n, s, m) walks the samples of
+//      the four cells that have it as a corner, with as many slots of a warp
+//      as its level's density calls for (their sums added in a fixed tree),
+//      and writes its grad once, in the value's dtype. Pixels no sample
+//      touches get 0; no zero-fill pass, no accumulator buffer.
 #include <cub/device/device_radix_sort.cuh>
+
+#include <algorithm>
 
 #include "common.cuh"
 #include "launch.h"
@@ -73,11 +76,37 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);
 }
 
-constexpr int kBatch = 4;
+constexpr int kBatch = 4;  // walk entries a slot loads at once
+constexpr int kWarps = kThreads / 32;
 
-template <typename T, int VEC, bool kMulti, typename Id>
+// Slots a pixel of level lv gets (a power of two <= slots): about one per
+// kBatch of the corner entries a pixel of the level has on average (4 Lq P
+// over its H W pixels), so that crowded pixels (the small levels) are walked
+// by many slots and sparse ones (decoders) share a warp with other pixels.
+__device__ __forceinline__ int pixel_slots(const Problem& pb, const Level& lv, int slots) {
+  const float entries = 4.f * float(pb.Lq) * float(pb.P) / (float(lv.H) * float(lv.W));
+  int g = 1;
+  while (g < slots && float(g * kBatch) < entries) g <<= 1;
+  return g;
+}
+
+// Warp items of one level of one (n, m): its pixels, slots / g a warp.
+__device__ __forceinline__ int64_t level_items(const Problem& pb, const Level& lv, int slots) {
+  const int64_t per = slots / pixel_slots(pb, lv, slots);
+  return (int64_t(lv.H) * lv.W + per - 1) / per;
+}
+
+// grad_value, pixel by pixel, written once in the value's dtype. A warp
+// item is slots / g pixels of one level of one (n, m), g slots a pixel
+// (pixel_slots); items of the smallest levels (the most entries a pixel)
+// first. Pixel (y, x) is corner k of the cells (y - (k >> 1), x - (k & 1)):
+// its entries are four runs of the sorted order. The pixel's g slots take
+// them round-robin (slot s: entries s, s + g, ...), each over its lanes'
+// channels, kBatch entries at a time with their loads in flight together,
+// and a fixed shuffle tree adds the slots: the same order on every run.
+template <typename T, int VEC, typename Id>
 __global__ void __launch_bounds__(kThreads, 4)
-    value_grad_gather(const BackwardParams p, const Id* __restrict__ rows,
+    value_grad_pixels(const BackwardParams p, const Id* __restrict__ rows,
                       const acc_t<T>* __restrict__ wts, const int64_t* __restrict__ cell_start,
                       T* __restrict__ grad_value, const int lanes) {
   using A = acc_t<T>;
@@ -85,77 +114,121 @@ __global__ void __launch_bounds__(kThreads, 4)
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cell_base[kMaxLevels];
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
+  if (levels[0].poison) {
+    // The level table on the device is inconsistent (load_levels): nothing
+    // adds to grad_value, which is zero.
+    const int64_t total = pb.N * pb.S * pb.M * pb.D;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      grad_value[i] = from_acc<T>(A(0));
+    }
+    return;
+  }
 
-  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t group = tid / lanes;  // value row (n, s, m)
-  if (group >= pb.N * pb.S * pb.M) return;
-  const int lane = static_cast<int>(tid % lanes);
-  const int64_t m = group % pb.M, s = (group / pb.M) % pb.S, n = group / (pb.M * pb.S);
-  T* out = grad_value + group * pb.D;
+  // Per level: slots a pixel, warp items of one (n, m), first item (the
+  // smallest levels first).
+  __shared__ int lv_slots[kMaxLevels];
+  __shared__ Id lv_items[kMaxLevels], lv_first[kMaxLevels + 1];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int slots = 32 / lanes, slot = lane / lanes, q = lane % lanes;
+  const Id NM = Id(pb.N * pb.M);  // N M S < 2^32 unless Id is 64-bit (N M S < cells)
+  if (threadIdx.x == 0) {
+    Id first = 0;
+    for (int l = pb.L - 1; l >= 0; --l) {
+      lv_slots[l] = pixel_slots(pb, levels[l], slots);
+      lv_items[l] = Id(level_items(pb, levels[l], slots));
+      lv_first[l] = first;
+      first += NM * lv_items[l];
+    }
+    lv_first[pb.L] = first;  // the total
+  }
+  __syncthreads();
+  const Id total = lv_first[pb.L];
   const T* gout = static_cast<const T*>(p.grad_out);
 
-  int l = 0;  // the level holding pixel s (if any)
-  while (l < pb.L &&
-         !(s >= levels[l].start && s - levels[l].start < int64_t(levels[l].H) * levels[l].W)) {
-    ++l;
-  }
-  for (int64_t c = int64_t(lane) * VEC; c < pb.D; c += int64_t(lanes) * VEC) {
-    A acc[VEC];
+  for (Id item = Id(blockIdx.x) * kWarps + warp; item < total; item += Id(gridDim.x) * kWarps) {
+    int l = 0;
+    while (item < lv_first[l]) ++l;  // lv_first decreases with l
+    const Level lv = levels[l];
+    const int g = lv_slots[l];
+    const Id r = item - lv_first[l];
+    const Id nm = r / lv_items[l];
+    const Id pix = (r - nm * lv_items[l]) * Id(slots / g) + Id(slot / g);
+    const int sub = slot % g;  // this lane's slot of its pixel
+    const bool pix_ok = pix < Id(lv.H) * Id(lv.W);
+    const int y = static_cast<int>(pix / Id(lv.W)), x = static_cast<int>(pix - Id(y) * Id(lv.W));
+    const int64_t n = int64_t(nm) / pb.M, m = int64_t(nm) % pb.M;
+    // Corner k's run [s_k, s_k + n_k) of the sorted order, from the starts
+    // of cells (y - 1 + rr, x - 1 + i), i in {0, 1, 2} (i = 2: the end of
+    // cell x; x + 1 <= W, the key of the next row's first cell at the right
+    // edge). Positions in Id arithmetic (32 bits unless the problem needs 64).
+    Id bnd[2][3] = {{0, 0, 0}, {0, 0, 0}};
+    if (pix_ok) {
+      const int64_t key = int64_t(cell_key(int64_t(nm), p.cell_stride, cell_base[l], y - 1, x - 1, lv.W));
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-    if (l < pb.L) {
-      const Level lv = levels[l];
-      const int pix = static_cast<int>(s - lv.start);
-      const int y = pix / lv.W, x = pix % lv.W;
-      const int64_t nm = n * pb.M + m;
-      // This pixel is corner k of cell (y - (k >> 1), x - (k & 1)). Cells
-      // (r, x - 1) and (r, x) have consecutive keys, so the bounds of all
-      // four cells are six starts, loaded together before any walk: most
-      // decoder pixels have no sample at all, and then those loads are all
-      // the pixel waits for (one round trip instead of four).
-      int64_t bound[2][3];
+      for (int rr = 0; rr < 2; ++rr) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int64_t first = int64_t(cell_key(nm, p.cell_stride, cell_base[l], y - r, x - 1, lv.W));
-#pragma unroll
-        for (int i = 0; i < 3; ++i) bound[r][i] = cell_start[first + i];
-      }
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const int64_t* b = bound[k >> 1];
-        const int i = 1 - (k & 1);  // cell (., x - (k & 1)) is bound i of its row
-        const int64_t end = b[i + 1];
-        // kBatch entries at a time, their loads issued before any is used:
-        // the walk is bound by load latency, not by arithmetic.
-        for (int64_t j0 = b[i]; j0 < end; j0 += kBatch) {
-          A scale[kBatch];
-          int64_t row[kBatch];
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const bool ok = j0 + u < end;
-            scale[u] = ok ? wts[4 * (j0 + u) + k] : A(0);
-            row[u] = ok ? static_cast<int64_t>(rows[j0 + u]) : int64_t(-1);
-          }
-          A go[kBatch][VEC];
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            if (row[u] >= 0) {
-              load_vec<T, VEC>(gout + row[u] * pb.D + c, go[u]);
-            } else {
-#pragma unroll
-              for (int e = 0; e < VEC; ++e) go[u][e] = A(0);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-#pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[e] += scale[u] * go[u][e];
-          }
-        }
+        for (int i = 0; i < 3; ++i) bnd[rr][i] = Id(cell_start[key + rr * (lv.W + 1) + i]);
       }
     }
-    store_vec<T, VEC>(out + c, acc);
-    if (!kMulti) break;
+    const Id s0 = bnd[1][1], s1 = bnd[1][0], s2 = bnd[0][1], s3 = bnd[0][0];
+    const Id n0 = bnd[1][2] - s0, n1 = s0 - s1, n2 = bnd[0][2] - s2, n3 = s2 - s3;
+    const Id count = n0 + n1 + n2 + n3;  // uniform over the pixel's slots
+    T* out = grad_value + value_row(n, lv.start + int64_t(pix), m, pb.S, pb.M) * pb.D;
+    for (int64_t c0 = 0; c0 < pb.D; c0 += int64_t(lanes) * VEC) {
+      const int64_t c = c0 + q * VEC;
+      const bool c_ok = c < pb.D;  // VEC > 1 only when VEC divides D
+      A acc[VEC];
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] = A(0);
+      for (Id v0 = Id(sub); v0 < count; v0 += Id(kBatch) * Id(g)) {
+        A scale[kBatch];
+        int64_t row[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          Id v = v0 + Id(u) * Id(g);
+          scale[u] = A(0);
+          row[u] = -1;
+          if (v < count) {
+            int k;
+            Id j;
+            if (v < n0) {
+              k = 0, j = s0 + v;
+            } else if ((v -= n0) < n1) {
+              k = 1, j = s1 + v;
+            } else if ((v -= n1) < n2) {
+              k = 2, j = s2 + v;
+            } else {
+              k = 3, j = s3 + v - n2;
+            }
+            scale[u] = wts[4 * int64_t(j) + k];
+            row[u] = static_cast<int64_t>(rows[j]);
+          }
+        }
+        // Raw rows, converted one at a time (fewer registers).
+        using R = typename RawVec<sizeof(T) * VEC>::type;
+        R raw[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          raw[u] = row[u] >= 0 && c_ok ? __ldg(reinterpret_cast<const R*>(gout + row[u] * pb.D + c))
+                                       : R{};
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          A go[VEC];
+          unpack<T, VEC>(raw[u], go);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) acc[e] += scale[u] * go[e];
+        }
+      }
+      // The pixel's slots added in a fixed tree (every lane of the warp
+      // shuffles: g is uniform over the warp).
+      for (int o = lanes; o < lanes * g; o <<= 1) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], o);
+      }
+      if (sub == 0 && pix_ok && c_ok) store_vec<T, VEC>(out + c, acc);
+    }
   }
 }
 
@@ -177,13 +250,14 @@ struct GatherLaunch {
     const int64_t threads = p.pb.N * p.pb.S * p.pb.M * lanes;
     if (threads == 0) return cudaSuccess;
     T* out = static_cast<T*>(b.grad_value);
-    if (p.pb.D > int64_t(lanes) * VEC) {
-      value_grad_gather<T, VEC, true, Id>
-          <<<grid_for(threads), kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
-    } else {
-      value_grad_gather<T, VEC, false, Id>
-          <<<grid_for(threads), kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
-    }
+    // Up to 64 warps an SM (at most one a pixel); the rest of the items are
+    // taken in turn (grid stride).
+    DeviceLimits d;
+    if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+    const int64_t items = p.pb.N * p.pb.M * p.pb.S;
+    const unsigned blocks = static_cast<unsigned>(
+        std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(d.sms) * 8)));
+    value_grad_pixels<T, VEC, Id><<<blocks, kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
     return cudaGetLastError();
   }
   static cudaError_t run(const GatherParams& g, cudaStream_t stream) {
