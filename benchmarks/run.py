@@ -49,7 +49,8 @@ def parse_args(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default=None,
                     help=f"comma list or 'all' (known: {', '.join(W.WORKLOADS)}); 'name/k' "
-                         f"scales a workload down by k. Default: {DEFAULT_WORKLOADS}")
+                         f"scales a workload down by k, 'name@smooth' takes the smooth "
+                         f"location generator. Default: {DEFAULT_WORKLOADS}")
     ap.add_argument("--dtypes", default=None, help="comma list of fp32,bf16,fp16 (default fp32,bf16)")
     ap.add_argument("--backends", default="all",
                     help="'all' (our backends, the reference, installed peers), 'ours', or a "
@@ -121,12 +122,15 @@ def n_rotating_sets(inputs_bytes: int, device: str) -> int:
 def measure(args) -> Dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     scale = args.scale if args.scale is not None else (1 if device == "cuda" else CPU_SCALE)
+    # "all": every workload, and the encoders with the `smooth` generator too.
+    every = list(W.WORKLOADS) + [f"{n}@smooth" for n, w in W.WORKLOADS.items()
+                                 if w.locations == "encoder"]
     if args.full:
-        wl_names, dtypes, passes = list(W.WORKLOADS), list(DTYPES), list(PASSES)
+        wl_names, dtypes, passes = every, list(DTYPES), list(PASSES)
     else:
         wl_names = (args.workloads or DEFAULT_WORKLOADS).split(",")
         if wl_names == ["all"]:
-            wl_names = list(W.WORKLOADS)
+            wl_names = every
         dtypes = (args.dtypes or "fp32,bf16").split(",")
         passes = args.passes.split(",")
     for d in dtypes:

@@ -1,8 +1,11 @@
 """The canonical MSDA workloads and their sampling-location generators.
 
 The project's own copy of ../shared/WORKLOADS.md (the spec): every workload by
-name, the three location generators (`uniform`, `encoder`, `decoder`), and
-the bytes floor. Tests and benchmarks draw their inputs from here.
+name, the location generators (`uniform`, `encoder`, `decoder` from the spec;
+`smooth`, the project's trained-like field for the encoders, see
+smooth_offsets), and the bytes floor. Tests and benchmarks draw their inputs
+from here. "name@generator" gives a workload with another generator
+("ddetr_enc@smooth").
 """
 from __future__ import annotations
 
@@ -63,12 +66,25 @@ WORKLOADS: Dict[str, Workload] = {
 }
 
 
+GENERATORS = ("uniform", "encoder", "decoder", "smooth")
+
+
 def get(name: str) -> Workload:
-    """Workload by name; "name/k" gives it scaled down by k."""
+    """Workload by name; "name/k" gives it scaled down by k, "name@gen" with
+    the location generator `gen` (both: "name@gen/k")."""
     base, _, factor = name.partition("/")
+    base, _, gen = base.partition("@")
     if base not in WORKLOADS:
         raise KeyError(f"unknown workload {base!r}; known: {', '.join(WORKLOADS)}")
-    return WORKLOADS[base].scaled(int(factor) if factor else 1)
+    wl = WORKLOADS[base]
+    if gen:
+        if gen not in GENERATORS:
+            raise KeyError(f"unknown location generator {gen!r}; known: {', '.join(GENERATORS)}")
+        if gen in ("encoder", "smooth") and wl.lq is not None:
+            raise KeyError(f"generator {gen!r} needs one query per pixel; {base} has {wl.lq} queries")
+        if gen != wl.locations:
+            wl = replace(wl, locations=gen, name=f"{base}@{gen}")
+    return wl.scaled(int(factor) if factor else 1)
 
 
 def level_tensors(levels, device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +123,47 @@ def encoder_reference_points(levels, device) -> torch.Tensor:
     return torch.cat(refs)
 
 
+# The `smooth` field: amplitude and jitter in pixels of each level, and the
+# spatial frequencies (cycles over the image) of its sinusoids.
+SMOOTH_AMPLITUDE = 3.0
+SMOOTH_JITTER = 0.25
+SMOOTH_WAVES = 3
+SMOOTH_MAX_FREQ = 2.0
+
+
+def smooth_offsets(wl: Workload, ref: torch.Tensor, g: torch.Generator, device) -> torch.Tensor:
+    """(N, nq, M, L, P, 2) offsets of the `smooth` generator, in normalised units,
+    for reference points `ref` (nq, 2) in [0, 1]^2.
+
+    What a trained model's offsets look like, as opposed to `encoder`'s
+    independent N(0, 1) pixels a query: for every (batch, head, level, point,
+    coordinate) the offset is the Deformable DETR initialisation (p + 1) *
+    (cos t_m, sin t_m) pixels plus a smooth function of the query's position,
+    SMOOTH_WAVES sinusoids sum(a_i sin(2 pi k_i . ref + phi_i)) with random
+    frequencies |k_i| <= SMOOTH_MAX_FREQ cycles over the image, random phases
+    and amplitudes scaled to an RMS of SMOOTH_AMPLITUDE pixels, plus
+    N(0, SMOOTH_JITTER^2) pixels of jitter. Neighbouring queries therefore
+    sample neighbouring pixels, as they do in a trained model.
+    """
+    nl, f = len(wl.levels), SMOOTH_WAVES
+    shape = (wl.n, wl.m, nl, wl.p, 2, f)
+    k = (torch.rand(shape + (2,), generator=g, dtype=torch.float64) * 2 - 1) * SMOOTH_MAX_FREQ
+    phase = torch.rand(shape, generator=g, dtype=torch.float64) * 2 * math.pi
+    amp = torch.randn(shape, generator=g, dtype=torch.float64)
+    amp = amp / amp.pow(2).sum(-1, keepdim=True).div(2).sqrt().clamp_min(1e-12) * SMOOTH_AMPLITUDE
+    k, phase, amp = k.to(device), phase.to(device), amp.to(device)
+    # (N, M, L, P, 2, F, nq): each wave's value at every query.
+    arg = 2 * math.pi * torch.einsum("...fc,qc->...fq", k, ref) + phase[..., None]
+    field = (amp[..., None] * torch.sin(arg)).sum(-2)                       # (N, M, L, P, 2, nq)
+    field = field.permute(0, 5, 1, 2, 3, 4)                                 # (N, nq, M, L, P, 2)
+    dirs = _directions(wl.m, device)[:, None, None, :]                      # (M, 1, 1, 2)
+    steps = torch.arange(1, wl.p + 1, dtype=torch.float64, device=device)[None, None, :, None]
+    jitter = SMOOTH_JITTER * torch.randn(field.shape, generator=g, dtype=torch.float64).to(device)
+    pix = (steps * dirs)[None, None] + field + jitter                       # pixels
+    wh = torch.tensor([(w, h) for h, w in wl.levels], dtype=torch.float64, device=device)
+    return pix / wh[None, None, None, :, None, :]
+
+
 def sampling_locations(wl: Workload, g: torch.Generator, device="cpu") -> torch.Tensor:
     """(N, Lq, M, L, P, 2) float64 locations from the workload's generator."""
     nq = wl.queries
@@ -117,6 +174,10 @@ def sampling_locations(wl: Workload, g: torch.Generator, device="cpu") -> torch.
         assert nq == wl.s, "encoder workloads have one query per pixel"
         ref = encoder_reference_points(wl.levels, device)[None, :, None, None, None, :]
         return ref + _offsets(wl, nq, 1.0, g, device)
+    if wl.locations == "smooth":
+        assert nq == wl.s, "smooth workloads have one query per pixel"
+        ref = encoder_reference_points(wl.levels, device)
+        return (ref[None, :, None, None, None, :] + smooth_offsets(wl, ref, g, device)).contiguous()
     if wl.locations == "decoder":
         ref = 0.05 + 0.9 * torch.rand(wl.n, nq, 2, generator=g, dtype=torch.float64).to(device)
         return ref[:, :, None, None, None, :] + _offsets(wl, nq, 4.0, g, device)

@@ -192,3 +192,24 @@ def test_non_finite_samples_make_their_gradients_nan(device, backend, determinis
     assert torch.isfinite(grads[0]).all()
     for name, got, want in zip(("value", "locations", "weights"), grads, ref):
         assert rel_err(got, want) <= TOL[torch.float32], name
+
+
+@MODES
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("workload", ["ddetr_enc/8", "ddetr_enc@smooth/8", "m2f_enc@smooth/8",
+                                      "ddetr_dec/4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gradients_on_workloads(device, backend, workload, dtype, deterministic):
+    """The canonical workloads (scaled down) with their own location
+    generators, `encoder`'s jitter and `smooth`'s trained-like field (designs
+    that rely on locality must hold on both), against the float64 reference."""
+    from ms_deform_attn import workloads as W
+    wl = W.get(workload)
+    value, shapes, start, loc, attn = W.make_inputs(wl, dtype, torch.float32, device=device,
+                                                    seed=3, requires_grad=True)
+    grad = torch.randn(wl.n, wl.queries, wl.m * wl.d, device=device, dtype=dtype)
+    out = op(backend, deterministic)(value, shapes, start, loc, attn)
+    got = torch.autograd.grad(out, (value, loc, attn), grad)
+    want = reference64_grads(value, shapes, start, loc, attn, grad)
+    for name, g, r in zip(("value", "locations", "weights"), got, want):
+        assert rel_err(g, r) <= TOL[dtype], name

@@ -54,3 +54,29 @@ def test_benchmark_runs_on_a_tiny_workload(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_smooth_generator():
+    """`smooth`: one query per pixel, deterministic for a seed, neighbouring
+    queries' samples close together (closer than `encoder`'s jitter puts
+    them), a share outside the map; only for one-query-a-pixel workloads."""
+    def neighbour_step(name):
+        wl = W.get(name)
+        loc = W.sampling_locations(wl, torch.Generator().manual_seed(0))
+        h, w = wl.levels[0]
+        pix = loc[0, :h * w, :, 0, :, :].reshape(h, w, -1, 2) * torch.tensor([w, h],
+                                                                             dtype=torch.float64)
+        return (pix[:, 1:] - pix[:, :-1]).norm(dim=-1).median().item(), loc
+
+    smooth, loc = neighbour_step("ddetr_enc@smooth/4")
+    jitter, _ = neighbour_step("ddetr_enc/4")
+    assert W.get("ddetr_enc@smooth").locations == "smooth"
+    assert W.get("ddetr_enc@smooth/4").name == "ddetr_enc@smooth/4"
+    assert smooth < 1.5 < jitter
+    again = W.sampling_locations(W.get("ddetr_enc@smooth/4"), torch.Generator().manual_seed(0))
+    assert torch.equal(loc, again)
+    assert 0.01 < W.outside_fraction(loc) < 0.6
+    with pytest.raises(KeyError, match="one query per pixel"):
+        W.get("ddetr_dec@smooth")
+    with pytest.raises(KeyError, match="unknown location generator"):
+        W.get("ddetr_enc@bogus")
