@@ -80,13 +80,14 @@ constexpr int kBatch = 4;  // walk entries a slot loads at once
 constexpr int kWarps = kThreads / 32;
 
 // Slots a pixel of level lv gets (a power of two <= slots): about one per
-// kBatch of the corner entries a pixel of the level has on average (4 Lq P
+// 2 kBatch of the corner entries a pixel of the level has on average (4 Lq P
 // over its H W pixels), so that crowded pixels (the small levels) are walked
-// by many slots and sparse ones (decoders) share a warp with other pixels.
+// by many slots and sparse ones (decoders) share a warp with other pixels
+// (and its per-pixel work: bounds, the slots' sum, the store).
 __device__ __forceinline__ int pixel_slots(const Problem& pb, const Level& lv, int slots) {
   const float entries = 4.f * float(pb.Lq) * float(pb.P) / (float(lv.H) * float(lv.W));
   int g = 1;
-  while (g < slots && float(g * kBatch) < entries) g <<= 1;
+  while (g < slots && float(2 * g * kBatch) < entries) g <<= 1;
   return g;
 }
 
@@ -100,7 +101,7 @@ __device__ __forceinline__ int64_t level_items(const Problem& pb, const Level& l
 // item is slots / g pixels of one level of one (n, m), g slots a pixel
 // (pixel_slots); items of the smallest levels (the most entries a pixel)
 // first. Pixel (y, x) is corner k of the cells (y - (k >> 1), x - (k & 1)):
-// its entries are four runs of the sorted order. The pixel's g slots take
+// its entries are two runs of the sorted order. The pixel's g slots take
 // them round-robin (slot s: entries s, s + g, ...), each over its lanes'
 // channels, kBatch entries at a time with their loads in flight together,
 // and a fixed shuffle tree adds the slots: the same order on every run.
@@ -158,9 +159,11 @@ __global__ void __launch_bounds__(kThreads, 4)
     const bool pix_ok = pix < Id(lv.H) * Id(lv.W);
     const int y = static_cast<int>(pix / Id(lv.W)), x = static_cast<int>(pix - Id(y) * Id(lv.W));
     const int64_t n = int64_t(nm) / pb.M, m = int64_t(nm) % pb.M;
-    // Corner k's run [s_k, s_k + n_k) of the sorted order, from the starts
-    // of cells (y - 1 + rr, x - 1 + i), i in {0, 1, 2} (i = 2: the end of
-    // cell x; x + 1 <= W, the key of the next row's first cell at the right
+    // The pixel's entries are two runs of the sorted order: cells (y - 1,
+    // x - 1) and (y - 1, x) have consecutive keys (corners 3 then 2), and so
+    // do (y, x - 1) and (y, x) (corners 1 then 0). Their bounds are the
+    // starts of cells (y - 1 + rr, x - 1 + i), i in {0, 1, 2} (i = 2: the end
+    // of cell x; x + 1 <= W gives the next row's first cell at the right
     // edge). Positions in Id arithmetic (32 bits unless the problem needs 64).
     Id bnd[2][3] = {{0, 0, 0}, {0, 0, 0}};
     if (pix_ok) {
@@ -171,9 +174,8 @@ __global__ void __launch_bounds__(kThreads, 4)
         for (int i = 0; i < 3; ++i) bnd[rr][i] = Id(cell_start[key + rr * (lv.W + 1) + i]);
       }
     }
-    const Id s0 = bnd[1][1], s1 = bnd[1][0], s2 = bnd[0][1], s3 = bnd[0][0];
-    const Id n0 = bnd[1][2] - s0, n1 = s0 - s1, n2 = bnd[0][2] - s2, n3 = s2 - s3;
-    const Id count = n0 + n1 + n2 + n3;  // uniform over the pixel's slots
+    const Id above = bnd[0][2] - bnd[0][0];               // entries of the row of cells above
+    const Id count = above + (bnd[1][2] - bnd[1][0]);     // uniform over the pixel's slots
     T* out = grad_value + value_row(n, lv.start + int64_t(pix), m, pb.S, pb.M) * pb.D;
     for (int64_t c0 = 0; c0 < pb.D; c0 += int64_t(lanes) * VEC) {
       const int64_t c = c0 + q * VEC;
@@ -186,21 +188,13 @@ __global__ void __launch_bounds__(kThreads, 4)
         int64_t row[kBatch];
 #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-          Id v = v0 + Id(u) * Id(g);
+          const Id v = v0 + Id(u) * Id(g);
           scale[u] = A(0);
           row[u] = -1;
           if (v < count) {
-            int k;
-            Id j;
-            if (v < n0) {
-              k = 0, j = s0 + v;
-            } else if ((v -= n0) < n1) {
-              k = 1, j = s1 + v;
-            } else if ((v -= n1) < n2) {
-              k = 2, j = s2 + v;
-            } else {
-              k = 3, j = s3 + v - n2;
-            }
+            const bool up = v < above;  // in the row of cells above the pixel
+            const Id j = up ? bnd[0][0] + v : bnd[1][0] + (v - above);
+            const int k = up ? (j < bnd[0][1] ? 3 : 2) : (j < bnd[1][1] ? 1 : 0);
             scale[u] = wts[4 * int64_t(j) + k];
             row[u] = static_cast<int64_t>(rows[j]);
           }
