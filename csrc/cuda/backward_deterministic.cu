@@ -80,14 +80,16 @@ constexpr int kBatch = 4;  // walk entries a slot loads at once
 constexpr int kWarps = kThreads / 32;
 
 // Slots a pixel of level lv gets (a power of two <= slots): about one per
-// 2 kBatch of the corner entries a pixel of the level has on average (4 Lq P
-// over its H W pixels), so that crowded pixels (the small levels) are walked
-// by many slots and sparse ones (decoders) share a warp with other pixels
-// (and its per-pixel work: bounds, the slots' sum, the store).
+// kSpread kBatch of the corner entries a pixel of the level has on average
+// (4 Lq P over its H W pixels), so that crowded pixels (the small levels)
+// are walked by many slots and sparse ones (the large levels, decoders)
+// share a warp, and its per-pixel work (bounds, the slots' sum, the store),
+// with other pixels. kSpread was chosen by measurement (benchmarks/NOTES.md).
+constexpr int kSpread = 8;
 __device__ __forceinline__ int pixel_slots(const Problem& pb, const Level& lv, int slots) {
   const float entries = 4.f * float(pb.Lq) * float(pb.P) / (float(lv.H) * float(lv.W));
   int g = 1;
-  while (g < slots && float(2 * g * kBatch) < entries) g <<= 1;
+  while (g < slots && float(kSpread * g * kBatch) < entries) g <<= 1;
   return g;
 }
 
