@@ -80,3 +80,33 @@ def test_smooth_generator():
         W.get("ddetr_dec@smooth")
     with pytest.raises(KeyError, match="unknown location generator"):
         W.get("ddetr_enc@bogus")
+
+
+def test_layer_and_model_benchmarks_run(tmp_path):
+    """benchmarks.layer on tiny inputs: every implementation's layer gives the
+    same output from the same weights, and the model benchmark runs."""
+    from benchmarks import layer as LB
+
+    wl = W.get("m2f_enc/16")
+    query, flat, ref, shapes, start, grad = LB.layer_inputs(wl, 32, "cpu")
+    levels = [tuple(x) for x in wl.levels]
+    impls = ["ours", "pytorch"]
+    try:
+        import transformers  # noqa: F401
+        impls += ["transformers", "swapped"]
+    except ImportError:
+        pass
+    outs = [LB.call_layer(LB.make_layer(i, wl, 32, "cpu"), query, flat, ref, shapes, start, levels)
+            for i in impls]
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=1e-4, atol=1e-5)
+    rows = LB.bench_layer(LB.parse_args(["--workloads", "m2f_enc/16", "--dtypes", "fp32",
+                                         "--impls", ",".join(impls), "--d-model", "32",
+                                         "--reps", "1", "--device", "cpu"]))
+    assert [r["impl"] for r in rows] == impls
+    assert all(r["fwdbwd_us"] > 0 and r["saved_bytes"] > 0 for r in rows)
+    if "transformers" in impls:
+        assert LB.main(["--model", "--tiny-model", "--image", "96x128", "--batch", "2", "--reps",
+                        "1", "--device", "cpu", "--out", str(tmp_path)]) == 0
+        rows = json.loads((tmp_path / "model.json").read_text())["rows"]
+        assert [r["path"] for r in rows] == ["transformers", "swapped"]

@@ -1,0 +1,299 @@
+"""The attention layer and a whole model, timed as users feel them.
+
+    python -m benchmarks.layer                     # layer: ddetr_enc, ddetr_dec; fp32, bf16
+    python -m benchmarks.layer --workloads m2f_enc --dtypes bf16 --impls ours,transformers
+    python -m benchmarks.layer --model             # full-size DeformableDetrModel training step
+    python -m benchmarks.layer --model --compile   # ... also under torch.compile
+
+Layer: one multi-scale deformable attention layer of d_model 256 (8 heads,
+4 points, the workload's levels), forward + backward of the layer's output
+against a random gradient, queries and flattened features requiring grad.
+Implementations:
+  ours          ms_deform_attn.nn.MSDeformAttn (backend "auto")
+  pytorch       the same module on the grid_sample reference
+  transformers  transformers' DeformableDetrMultiscaleDeformableAttention on its own
+                path, the same weights
+  swapped       that layer after ms_deform_attn.hf.swap_msda
+For each: median step time (CUDA events on a GPU, wall clock on the CPU),
+the bytes the layer keeps for its backward (saved tensors, counted with
+torch.autograd.graph.saved_tensors_hooks), and on a GPU the peak memory of
+a step of --encoder-layers stacked layers (residual connections).
+
+Model: a full-size transformers DeformableDetrModel built from its config
+(ResNet-50-shaped backbone, no weights, no network), batch 2 at 800 x 1333
+(--image), bf16 autocast on a GPU: training step time (AdamW) and peak
+memory, transformers' own path against swap_msda, eager and (--compile)
+compiled.
+
+Writes layer.json / model.json under --out and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from contextlib import nullcontext
+from typing import Callable, Dict, List
+
+import torch
+
+from ms_deform_attn import workloads as W
+from ms_deform_attn.nn import MSDeformAttn
+
+IMPLS = ("ours", "pytorch", "transformers", "swapped")
+DTYPES = ("fp32", "bf16")
+
+
+def _timer(device: str, step: Callable[[], None], reps: int, warmup: int = 3) -> float:
+    """Median time of step() in microseconds."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _autocast(device: str, dtype: str):
+    if dtype == "bf16":
+        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def _hf_layer(d_model: int, n_levels: int, n_heads: int, n_points: int):
+    import transformers
+    from transformers.models.deformable_detr import modeling_deformable_detr as hf
+
+    cfg = transformers.DeformableDetrConfig(d_model=d_model, num_feature_levels=n_levels,
+                                            encoder_attention_heads=n_heads,
+                                            encoder_n_points=n_points)
+    return hf.DeformableDetrMultiscaleDeformableAttention(cfg, num_heads=n_heads, n_points=n_points)
+
+
+def make_layer(impl: str, wl: W.Workload, d_model: int, device: str) -> torch.nn.Module:
+    """The layer of `impl`, with the weights of MSDeformAttn under seed 0."""
+    torch.manual_seed(0)
+    n_levels = len(wl.levels)
+    base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto")
+    if impl == "ours":
+        return base.to(device)
+    if impl == "pytorch":
+        mod = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="pytorch")
+    else:
+        mod = _hf_layer(d_model, n_levels, wl.m, wl.p)
+    mod.load_state_dict(base.state_dict(), strict=True)
+    if impl == "swapped":
+        from ms_deform_attn.hf import swap_msda
+        holder = torch.nn.Sequential(mod)
+        if swap_msda(holder) != 1:
+            raise RuntimeError("swap_msda found no MSDA in the transformers layer")
+        mod = holder[0]
+    return mod.to(device)
+
+
+def call_layer(mod: torch.nn.Module, query, flat, ref, shapes, start, levels):
+    """One layer's output, whichever signature it has."""
+    if isinstance(mod, MSDeformAttn):
+        return mod(query, ref, flat, shapes, start, None, levels)
+    return mod(query, encoder_hidden_states=flat, reference_points=ref, spatial_shapes=shapes,
+               spatial_shapes_list=levels, level_start_index=start)[0]
+
+
+def layer_inputs(wl: W.Workload, d_model: int, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    shapes, start = W.level_tensors(wl.levels, device)
+    query = torch.randn(wl.n, wl.queries, d_model, generator=g).to(device).requires_grad_()
+    flat = torch.randn(wl.n, wl.s, d_model, generator=g).to(device).requires_grad_()
+    if wl.lq is None:  # encoder: every pixel is a query, its own centre the reference
+        ref = W.encoder_reference_points(wl.levels, device).float()
+        ref = ref[None, :, None, :].expand(wl.n, -1, len(wl.levels), -1).contiguous()
+    else:
+        ref = torch.rand(wl.n, wl.queries, 1, 2, generator=g).to(device)
+        ref = ref.expand(-1, -1, len(wl.levels), -1).contiguous()
+    grad = torch.randn(wl.n, wl.queries, d_model, generator=g).to(device)
+    return query, flat, ref, shapes, start, grad
+
+
+def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the tensors autograd keeps for the backward of fn() (each
+    storage counted once)."""
+    seen: Dict[int, int] = {}
+
+    def pack(t):
+        try:
+            key = t.untyped_storage().data_ptr()
+            seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    del out
+    return sum(seen.values())
+
+
+def bench_layer(args) -> List[Dict]:
+    device = args.device
+    rows = []
+    for name in args.workloads.split(","):
+        wl = W.get(name)
+        levels = [tuple(x) for x in wl.levels]
+        for dname in args.dtypes.split(","):
+            query, flat, ref, shapes, start, grad = layer_inputs(wl, args.d_model, device)
+            for impl in args.impls.split(","):
+                try:
+                    layer = make_layer(impl, wl, args.d_model, device)
+                except ImportError as e:
+                    print(f"skip {impl}: {e}")
+                    continue
+
+                def forward(layer=layer):
+                    with _autocast(device, dname):
+                        return call_layer(layer, query, flat, ref, shapes, start, levels)
+
+                def step(forward=forward):
+                    out = forward()
+                    torch.autograd.backward(out, grad.to(out.dtype))
+
+                row = {"workload": wl.name, "dtype": dname, "impl": impl,
+                       "fwdbwd_us": _timer(device, step, args.reps),
+                       "fwd_us": _timer(device, lambda f=forward: f(), args.reps),
+                       "saved_bytes": saved_bytes(forward)}
+                if device == "cuda":
+                    mods = [copy.deepcopy(layer) for _ in range(args.encoder_layers)]
+                    row["stack_peak_bytes"] = _stack_peak(mods, query, flat, ref, shapes, start,
+                                                          levels, grad, dname)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def _stack_peak(mods, query, flat, ref, shapes, start, levels, grad, dname) -> int:
+    """Peak memory above what is allocated before one forward + backward
+    through the layers `mods` stacked with residual connections."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with _autocast("cuda", dname):
+        q = query
+        for mod in mods:
+            q = q + call_layer(mod, q, flat, ref, shapes, start, levels)
+    torch.autograd.backward(q, grad.to(q.dtype))
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+# ---- the whole model ----------------------------------------------------------
+def full_size_deformable_detr(tiny: bool = False):
+    import transformers
+    if tiny:  # for the CPU smoke test
+        bb = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
+                                       depths=[1, 1, 1, 1],
+                                       out_features=["stage2", "stage3", "stage4"])
+        cfg = transformers.DeformableDetrConfig(
+            d_model=32, encoder_layers=1, decoder_layers=1, num_queries=10, encoder_ffn_dim=32,
+            decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
+            use_timm_backbone=False, backbone_config=bb, use_pretrained_backbone=False,
+            backbone=None)
+    else:  # Deformable DETR's defaults on a ResNet-50-shaped backbone
+        bb = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],
+                                       depths=[3, 4, 6, 3], layer_type="bottleneck",
+                                       out_features=["stage2", "stage3", "stage4"])
+        cfg = transformers.DeformableDetrConfig(use_timm_backbone=False, backbone_config=bb,
+                                                use_pretrained_backbone=False, backbone=None)
+    torch.manual_seed(0)
+    return transformers.DeformableDetrModel(cfg)
+
+
+def bench_model(args) -> List[Dict]:
+    from ms_deform_attn.hf import swap_msda
+
+    device = args.device
+    h, w = (int(x) for x in args.image.split("x"))
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(args.batch, 3, h, w, generator=g).to(device)
+    mask = torch.ones(args.batch, h, w, dtype=torch.long, device=device)
+    rows = []
+    for path in ("transformers", "swapped"):
+        for compiled in (False, True) if args.compile else (False,):
+            model = full_size_deformable_detr(tiny=args.tiny_model)
+            if path == "swapped":
+                swap_msda(model)
+            model = model.to(device).train()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            fwd = torch.compile(model) if compiled else model
+
+            def step(fwd=fwd, opt=opt):
+                with _autocast(device, "bf16" if device == "cuda" else "fp32"):
+                    out = fwd(pixel_values=pixels, pixel_mask=mask)
+                loss = out.last_hidden_state.float().pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            t = _timer(device, step, args.reps, warmup=3 if compiled else 2)
+            row = {"model": "DeformableDetrModel", "path": path, "compiled": compiled,
+                   "image": args.image, "batch": args.batch, "step_ms": t / 1e3}
+            if device == "cuda":
+                row["peak_bytes"] = torch.cuda.max_memory_allocated()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del model, opt, fwd
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.layer", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="ddetr_enc,ddetr_dec")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--encoder-layers", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--model", action="store_true", help="the whole-model benchmark instead")
+    ap.add_argument("--compile", action="store_true", help="--model: also under torch.compile")
+    ap.add_argument("--image", default="800x1333", help="--model: H x W")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default="results")
+    args = ap.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rows = bench_model(args) if args.model else bench_layer(args)
+    os.makedirs(args.out, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "torch": torch.__version__}
+    path = os.path.join(args.out, "model.json" if args.model else "layer.json")
+    with open(path, "w") as f:
+        json.dump({"env": meta, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
