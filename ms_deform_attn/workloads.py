@@ -100,16 +100,27 @@ def _directions(m: int, device) -> torch.Tensor:
     return torch.stack([t.cos(), t.sin()], -1)
 
 
+def _initial_pixels(wl: Workload, device) -> torch.Tensor:
+    """(1, 1, M, 1, P, 2) the Deformable DETR initialisation: (p + 1) * dir_m pixels."""
+    dirs = _directions(wl.m, device)[:, None, None, :]                       # (M, 1, 1, 2)
+    steps = torch.arange(1, wl.p + 1, dtype=torch.float64, device=device)[None, None, :, None]
+    return (steps * dirs)[None, None]
+
+
+def _level_sizes(wl: Workload, device) -> torch.Tensor:
+    """(1, 1, 1, L, 1, 2) each level's (W, H): pixels of a level over it are
+    normalised units."""
+    wh = torch.tensor([(w, h) for h, w in wl.levels], dtype=torch.float64, device=device)
+    return wh[None, None, None, :, None, :]
+
+
 def _offsets(wl: Workload, nq: int, scale: float, g: torch.Generator, device) -> torch.Tensor:
     """(N, nq, M, L, P, 2) offsets in normalised units: ((p + 1) * dir_m + N(0, 1))
     pixels of each level, times `scale`."""
-    dirs = _directions(wl.m, device)[:, None, None, :]                       # (M, 1, 1, 2)
-    steps = torch.arange(1, wl.p + 1, dtype=torch.float64, device=device)[None, None, :, None]
     noise = torch.randn(wl.n, nq, wl.m, len(wl.levels), wl.p, 2, generator=g,
                         dtype=torch.float64).to(device)
-    pix = (steps * dirs)[None, None] + noise                                  # pixels
-    wh = torch.tensor([(w, h) for h, w in wl.levels], dtype=torch.float64, device=device)
-    return scale * pix / wh[None, None, None, :, None, :]
+    pix = _initial_pixels(wl, device) + noise                                 # pixels
+    return scale * pix / _level_sizes(wl, device)
 
 
 def encoder_reference_points(levels, device) -> torch.Tensor:
@@ -156,12 +167,9 @@ def smooth_offsets(wl: Workload, ref: torch.Tensor, g: torch.Generator, device) 
     arg = 2 * math.pi * torch.einsum("...fc,qc->...fq", k, ref) + phase[..., None]
     field = (amp[..., None] * torch.sin(arg)).sum(-2)                       # (N, M, L, P, 2, nq)
     field = field.permute(0, 5, 1, 2, 3, 4)                                 # (N, nq, M, L, P, 2)
-    dirs = _directions(wl.m, device)[:, None, None, :]                      # (M, 1, 1, 2)
-    steps = torch.arange(1, wl.p + 1, dtype=torch.float64, device=device)[None, None, :, None]
     jitter = SMOOTH_JITTER * torch.randn(field.shape, generator=g, dtype=torch.float64).to(device)
-    pix = (steps * dirs)[None, None] + field + jitter                       # pixels
-    wh = torch.tensor([(w, h) for h, w in wl.levels], dtype=torch.float64, device=device)
-    return pix / wh[None, None, None, :, None, :]
+    pix = _initial_pixels(wl, device) + field + jitter                      # pixels
+    return pix / _level_sizes(wl, device)
 
 
 def sampling_locations(wl: Workload, g: torch.Generator, device="cpu") -> torch.Tensor:
