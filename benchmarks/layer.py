@@ -33,8 +33,6 @@ import argparse
 import copy
 import json
 import os
-import statistics
-import time
 from contextlib import nullcontext
 from typing import Callable, Dict, List
 
@@ -43,28 +41,18 @@ import torch
 from ms_deform_attn import workloads as W
 from ms_deform_attn.nn import MSDeformAttn
 
+from .timing import time_cpu, time_cuda
+
 IMPLS = ("ours", "pytorch", "transformers", "swapped")
 DTYPES = ("fp32", "bf16")
 
 
-def _timer(device: str, step: Callable[[], None], reps: int, warmup: int = 3) -> float:
-    """Median time of step() in microseconds."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+def _time(device: str, step: Callable[[], None], target_ms: float) -> float:
+    """Median time of step() in microseconds: benchmarks.timing's eager
+    timers (CUDA events on a GPU, wall clock on the CPU)."""
+    if device == "cuda":
+        return time_cuda(lambda i: step(), 1, use_graph=False, target_ms=target_ms)[0]
+    return time_cpu(lambda i: step(), 1, target_s=target_ms / 1e3)[0]
 
 
 def _autocast(device: str, dtype: str):
@@ -170,8 +158,8 @@ def bench_layer(args) -> List[Dict]:
                     torch.autograd.backward(out, grad.to(out.dtype))
 
                 row = {"workload": wl.name, "dtype": dname, "impl": impl,
-                       "fwdbwd_us": _timer(device, step, args.reps),
-                       "fwd_us": _timer(device, lambda f=forward: f(), args.reps),
+                       "fwdbwd_us": _time(device, step, args.target_ms),
+                       "fwd_us": _time(device, lambda f=forward: f(), args.target_ms),
                        "saved_bytes": saved_bytes(forward)}
                 if device == "cuda":
                     mods = [copy.deepcopy(layer) for _ in range(args.encoder_layers)]
@@ -248,7 +236,7 @@ def bench_model(args) -> List[Dict]:
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            t = _timer(device, step, args.reps, warmup=3 if compiled else 2)
+            t = _time(device, step, args.target_ms)
             row = {"model": "DeformableDetrModel", "path": path, "compiled": compiled,
                    "image": args.image, "batch": args.batch, "step_ms": t / 1e3}
             if device == "cuda":
@@ -269,7 +257,8 @@ def parse_args(argv=None):
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--encoder-layers", type=int, default=6)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--target-ms", type=float, default=300.0,
+                    help="timing budget per measurement (at least 10 steps on a GPU, 3 on the CPU)")
     ap.add_argument("--model", action="store_true", help="the whole-model benchmark instead")
     ap.add_argument("--compile", action="store_true", help="--model: also under torch.compile")
     ap.add_argument("--image", default="800x1333", help="--model: H x W")

@@ -102,11 +102,11 @@ def test_layer_and_model_benchmarks_run(tmp_path):
         torch.testing.assert_close(o, outs[0], rtol=1e-4, atol=1e-5)
     rows = LB.bench_layer(LB.parse_args(["--workloads", "m2f_enc/16", "--dtypes", "fp32",
                                          "--impls", ",".join(impls), "--d-model", "32",
-                                         "--reps", "1", "--device", "cpu"]))
+                                         "--target-ms", "1", "--device", "cpu"]))
     assert [r["impl"] for r in rows] == impls
     assert all(r["fwdbwd_us"] > 0 and r["saved_bytes"] > 0 for r in rows)
     if "transformers" in impls:
-        assert LB.main(["--model", "--tiny-model", "--image", "96x128", "--batch", "2", "--reps",
+        assert LB.main(["--model", "--tiny-model", "--image", "96x128", "--batch", "2", "--target-ms",
                         "1", "--device", "cpu", "--out", str(tmp_path)]) == 0
         rows = json.loads((tmp_path / "model.json").read_text())["rows"]
         assert [r["path"] for r in rows] == ["transformers", "swapped"]
