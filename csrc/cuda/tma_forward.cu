@@ -197,7 +197,7 @@ struct StageBoxes {
 constexpr uint32_t kOffMap = 0xffffffffu;  // corner entry: outside the map (weight 0)
 constexpr uint32_t kGlobal = 0x80000000u;  // corner entry: pixel of the (n, m) map | kGlobal
 constexpr int kMmaMaxTiles = 4;            // D <= 64
-constexpr int kMmaSteps = 4;               // k-steps whose global rows load together
+constexpr int kMmaSteps = 2;               // k-steps whose global rows load together
 // The table, then the slots: kMmaSteps x D / 16 x 32 lanes x 16 bytes.
 __host__ __device__ constexpr int64_t mma_warp_bytes(int64_t D) { return 1024 + kMmaSteps * D / 16 * 512; }
 
@@ -372,7 +372,7 @@ __device__ __forceinline__ void mma_item(const TmaParams& tp, const Level* level
 }
 
 template <typename T, typename LT, int VEC, bool kMma>
-__global__ void __launch_bounds__(kTmaThreads, kMma ? 1 : 2)
+__global__ void __launch_bounds__(kTmaThreads, 2)
     tma_forward_kernel(const __grid_constant__ TmaParams tp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // never launched there: the backend's predicate needs sm_90
@@ -544,7 +544,7 @@ struct Launch {
                                   : CornerSlots<acc_t<T>>::kBytesPerThread * kTmaThreads;
       const int64_t fixed = 1024 + scratch;
       SmemPlan plan;
-      cudaError_t err = plan_smem(kernel, fixed, p.smem_budget, kDefaultStages, plan);
+      cudaError_t err = plan_smem(kernel, fixed, p.smem_budget, mma ? 48 * 1024 : kDefaultStages, plan);
       if (err != cudaSuccess) return err;
       // The tensor-core consumer reads swizzled boxes (ldmatrix without bank
       // conflicts between pixels a 128-byte line apart).
