@@ -18,13 +18,8 @@
 //   barrier, and thread 0 issues the copies.
 // - Levels the descriptors cannot serve (host shapes that disagree with the
 //   device tensors, no box) read global memory only.
-// - Consumers: bf16 values with D in {16, 32, 64} and at most 32 samples a
-//   query (points padded to a multiple of 4) go to the tensor cores
-//   (mma_item: ldmatrix from swizzled boxes, weights split bf16 hi + lo);
-//   everything else to the FFMA gather shared with the other backends.
 #include "sampler.cuh"
 #include "launch.h"
-#include "tensor_core.cuh"
 #include "tma_maps.h"
 
 namespace msda::cuda {
@@ -176,202 +171,7 @@ struct StageBoxes {
   bool staged[kMaxLevels];
 };
 
-// ---- tensor-core consumer ----------------------------------------------------
-// A warp serves its queries (those of its threads in the FFMA layout) one
-// after the other. For each (query, level) and each 4 points of it, the 16
-// corner rows are the k dimension of one m16n8k16 mma per 16 channels:
-//   A = the values, 16 channels x 16 corners, loaded by ldmatrix.trans
-//       straight from the staged box (one corner row address a lane);
-//   B = the weights (attention x bilinear), 16 corners x 8 columns: column 0
-//       their bf16 high parts, column 1 the low parts, the rest zero;
-//   C = 16 channels x (hi, lo) in fp32, summed over every level and point.
-// Lane L addresses corner k = L % 8 + 8 (L / 16) at channel 8 ((L / 8) % 2);
-// corner k is point (k % 8) / 2's bilinear corner (k % 2) + 2 (k / 8), so
-// that lane t < 4 holds point t's four weights in B (its hi, lane 4 + t its lo).
-// A corner outside the box is copied from global memory (zeros outside the
-// map) by its lane into the lane's 16-byte slot in the warp's scratch first.
-//
-// Warp scratch: per resolved sample (a lane each) the four corner entries
-// and the hi / lo weight pairs (1 KB), then a lane's 16-byte slots, one per
-// 16 channels of each of kMmaSteps k-steps.
-constexpr uint32_t kOffMap = 0xffffffffu;  // corner entry: outside the map (weight 0)
-constexpr uint32_t kGlobal = 0x80000000u;  // corner entry: pixel of the (n, m) map | kGlobal
-constexpr int kMmaMaxTiles = 4;            // D <= 64
-constexpr int kMmaSteps = 2;               // k-steps whose global rows load together
-// The table, then the slots: kMmaSteps x D / 16 x 32 lanes x 16 bytes.
-__host__ __device__ constexpr int64_t mma_warp_bytes(int64_t D) { return 1024 + kMmaSteps * D / 16 * 512; }
-
-// Whether the tensor-core consumer serves this problem (with T = bf16).
-__host__ __device__ inline bool mma_ok(const Problem& pb) {
-  const int padded = (pb.P + 3) / 4 * 4;
-  // Corner entries hold a pixel of the (n, m) map in 31 bits.
-  return (pb.D == 16 || pb.D == 32 || pb.D == 64) && pb.L * padded <= 32 && pb.S < kGlobal - 1;
-}
-
-// `mine`: this thread's query in the FFMA layout (query_of(item, threadIdx.x
-// / lanes)), so that warp query j is lane j * lanes's: no index decoding here.
-template <typename T, typename LT>
-__device__ __forceinline__ void mma_item(const TmaParams& tp, const Level* levels,
-                                         const StageBoxes& b, uint32_t stage, unsigned char* scratch,
-                                         const QueryOf& mine) {
-  const ForwardParams& p = tp.p;
-  const Problem& pb = p.pb;
-  const TmaLevels& lvs = tp.lv;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int qpw = 32 / tp.lanes;          // the warp's queries
-  const int Pp = (pb.P + 3) & ~3;         // points a level, padded to k-steps of 4
-  const int LPp = pb.L * Pp;              // <= 32 (mma_ok)
-  const int qb = 32 / LPp;                // queries resolved together
-  const int tiles = static_cast<int>(pb.D / 16);
-  const unsigned row_bytes = static_cast<unsigned>(pb.D * sizeof(T));
-  const uint32_t swz = row_bytes / 16 - 1;  // the swizzle's XOR mask (D * 2 bytes span)
-  unsigned char* ws = scratch + warp * mma_warp_bytes(pb.D);
-  uint4* ent = reinterpret_cast<uint4*>(ws);
-  uint2* hi = reinterpret_cast<uint2*>(ws + 512);
-  uint2* lo = reinterpret_cast<uint2*>(ws + 768);
-  const uint32_t slot = smem_u32(ws + 1024) + static_cast<uint32_t>(lane) * 16;
-  const int64_t n = mine.n, m = mine.m;
-  const int64_t row_stride = pb.M * pb.D;
-  const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));
-  const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
-  // This lane's corner in every k-step, and its channel offset.
-  const int k = (lane & 7) + ((lane >> 4) << 3);
-  const int kp = (k & 7) >> 1, kc = (k & 1) | ((k >> 3) << 1);
-  const uint32_t cb = static_cast<uint32_t>((lane >> 3) & 1) * 16;
-
-  for (int j0 = 0; j0 < qpw; j0 += qb) {
-    // Resolve: lane s takes slot s = (query j0 + s / LPp, level, point).
-    {
-      const int qj = lane / LPp, rem = lane % LPp, l = rem / Pp, pt = rem % Pp;
-      uint4 e = make_uint4(kOffMap, kOffMap, kOffMap, kOffMap);
-      float wk[4] = {0.f, 0.f, 0.f, 0.f};
-      const int jq = min(j0 + qj, qpw - 1);
-      const int64_t q = __shfl_sync(0xffffffffu, mine.q, jq * tp.lanes);
-      if (qj < qb && j0 + qj < qpw && pt < pb.P) {
-        if (q >= 0) {
-          const auto [loc, attn] = query_row<LT>(p, (n * pb.Lq + q) * pb.M + m);
-          const Level lv = levels[l];
-          float x, y, wt;
-          load_point(loc, attn, l * pb.P + pt, x, y, wt);
-          wt = lv.weight(wt);
-          const auto bl = make_bilinear<float>(x, y, wt, lv.H, lv.W);
-          if (bl.inside) {
-            const bool staged = b.staged[l];
-            const int bx = b.x[l], by = b.y[l];
-            const unsigned bw = lvs.box_w[l], bh = lvs.box_h[l];
-            const uint32_t box = stage + static_cast<uint32_t>(lvs.off[l]);
-            uint32_t c[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-              const int row = bl.h0 + (q >> 1), col = bl.w0 + (q & 1);
-              const unsigned r = static_cast<unsigned>(row - by), kk = static_cast<unsigned>(col - bx);
-              c[q] = !bl.corner_ok(q, lv.H, lv.W) ? kOffMap
-                     : staged && r < bh && kk < bw ? box + (r * bw + kk) * row_bytes
-                                                   : kGlobal | static_cast<uint32_t>(lv.start + row * lv.W + col);
-              wk[q] = bl.corner_ok(q, lv.H, lv.W) ? wt * bl.weight(q) : 0.f;
-            }
-            e = make_uint4(c[0], c[1], c[2], c[3]);
-          }
-        }
-      }
-      uint2 h, o;
-      split_bf16x2(wk[0], wk[1], h.x, o.x);
-      split_bf16x2(wk[2], wk[3], h.y, o.y);
-      ent[lane] = e;
-      hi[lane] = h;
-      lo[lane] = o;
-    }
-    __syncwarp();
-
-    for (int qj = 0; qj < qb && j0 + qj < qpw; ++qj) {
-      const int64_t q = __shfl_sync(0xffffffffu, mine.q, (j0 + qj) * tp.lanes);
-      if (q < 0) continue;
-      float acc[kMmaMaxTiles][4] = {};
-      // k-step s: the 4 points from slot qj LPp + 4 s (level 4 s / Pp), taken
-      // kMmaSteps at a time: first every corner row outside the boxes is
-      // loaded (all loads in flight together) into this lane's slots, then
-      // the steps' ldmatrix and mma run.
-      const int steps = LPp / 4;
-      for (int c0 = 0; c0 < steps; c0 += kMmaSteps) {
-        uint32_t e[kMmaSteps];
-#pragma unroll
-        for (int i = 0; i < kMmaSteps; ++i) {
-          const int s0 = qj * LPp + 4 * (c0 + i);
-          e[i] = c0 + i < steps ? reinterpret_cast<const uint32_t*>(&ent[s0 + kp])[kc] : 0u;
-        }
-        __syncwarp();  // the slots' previous contents have been read
-#pragma unroll
-        for (int t = 0; t < kMmaMaxTiles; ++t) {
-          if (t < tiles) {
-            uint4 v[kMmaSteps];
-#pragma unroll
-            for (int i = 0; i < kMmaSteps; ++i) {
-              v[i] = make_uint4(0, 0, 0, 0);
-              if ((e[i] & kGlobal) && e[i] != kOffMap) {
-                v[i] = __ldg(reinterpret_cast<const uint4*>(
-                    reinterpret_cast<const char*>(
-                        pixel_ptr(vbase, static_cast<int>(e[i] & ~kGlobal), stride_bytes)) +
-                    t * 32 + cb));
-              }
-            }
-#pragma unroll
-            for (int i = 0; i < kMmaSteps; ++i) {
-              if (e[i] & kGlobal) {
-                asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(
-                                 slot + static_cast<uint32_t>((i * tiles + t) * 512)),
-                             "r"(v[i].x), "r"(v[i].y), "r"(v[i].z), "r"(v[i].w)
-                             : "memory");
-              }
-            }
-          }
-        }
-        __syncwarp();  // every lane's slots are written
-#pragma unroll
-        for (int i = 0; i < kMmaSteps; ++i) {
-          if (c0 + i < steps) {
-            const int s0 = qj * LPp + 4 * (c0 + i);
-            uint32_t b0 = 0, b1 = 0;
-            if (lane < 8) {
-              const uint2 wv = (lane < 4 ? hi : lo)[s0 + (lane & 3)];
-              b0 = wv.x;
-              b1 = wv.y;
-            }
-#pragma unroll
-            for (int t = 0; t < kMmaMaxTiles; ++t) {
-              if (t < tiles) {
-                uint32_t addr;
-                if (!(e[i] & kGlobal)) {
-                  const uint32_t a = e[i] + static_cast<uint32_t>(t) * 32 + cb;
-                  addr = a ^ (((a >> 7) & swz) << 4);
-                } else {
-                  addr = slot + static_cast<uint32_t>((i * tiles + t) * 512);
-                }
-                uint32_t a[4];
-                ldsm_x4_trans(addr, a);
-                mma_bf16_16816(acc[t], a, b0, b1);
-              }
-            }
-          }
-        }
-      }
-      // Lane 4 g holds channels g and g + 8 of every 16: (hi, lo) columns.
-      if ((lane & 3) == 0) {
-        T* out = static_cast<T*>(p.out) + ((n * pb.Lq + q) * pb.M + m) * pb.D;
-        const int g = lane >> 2;
-#pragma unroll
-        for (int t = 0; t < kMmaMaxTiles; ++t) {
-          if (t < tiles) {
-            out[t * 16 + g] = from_acc<T>(acc[t][0] + acc[t][1]);
-            out[t * 16 + g + 8] = from_acc<T>(acc[t][2] + acc[t][3]);
-          }
-        }
-      }
-    }
-    __syncwarp();  // the table is rewritten by the next batch
-  }
-}
-
-template <typename T, typename LT, int VEC, bool kMma>
+template <typename T, typename LT, int VEC>
 __global__ void __launch_bounds__(kTmaThreads, 2)
     tma_forward_kernel(const __grid_constant__ TmaParams tp) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
@@ -381,13 +181,11 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   const ForwardParams& p = tp.p;
   const Problem& pb = p.pb;
   const TmaLevels& lvs = tp.lv;
-  // Dynamic shared memory: two stages (1024-byte aligned, as the copy
-  // engine's swizzle wants), then the consumer's scratch (CornerSlots, or
-  // the tensor-core warps' tables and slots).
+  // Dynamic shared memory: two stages (128-byte aligned, as the copy engine
+  // wants), then the CornerSlots.
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  unsigned char* stages = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  unsigned char* scratch = stages + 2 * lvs.stage_bytes;
-  const CornerSlots<A> slots(scratch, kTmaThreads);
+  unsigned char* stages = smem_raw + ((128u - (smem_u32(smem_raw) & 127u)) & 127u);
+  const CornerSlots<A> slots(stages + 2 * lvs.stage_bytes, kTmaThreads);
   __shared__ Level levels[kMaxLevels];
   __shared__ StageBoxes boxes[2];
   __shared__ __align__(8) uint64_t bars[2];
@@ -470,10 +268,6 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     if (threadIdx.x == 0 && next < tp.items) issue(next, s ^ 1);
     mbar_wait(&bars[s], (k >> 1) & 1);
 
-    if constexpr (kMma) {
-      mma_item<T, LT>(tp, levels, boxes[s], smem_u32(stages + s * lvs.stage_bytes), scratch, w);
-      continue;
-    }
     if (w.q < 0) continue;  // whole groups: the group's lanes agree
     const int64_t group = (w.n * pb.Lq + w.q) * pb.M + w.m;
     const auto [loc, attn] = query_row<LT>(p, group);
@@ -522,10 +316,7 @@ struct Launch {
     } else {
       const Problem& pb = p.pb;
       if (p.host_shapes == nullptr || pb.D % VEC != 0 || pb.D > 32 * VEC) return cudaErrorInvalidValue;
-      // The tensor-core consumer: bf16 values (16-byte vectors), mma_ok.
-      constexpr bool kMmaType = std::is_same_v<T, __nv_bfloat16> && VEC == 8;
-      const bool mma = kMmaType && mma_ok(pb);
-      auto kernel = mma ? tma_forward_kernel<T, LT, VEC, kMmaType> : tma_forward_kernel<T, LT, VEC, false>;
+      auto kernel = tma_forward_kernel<T, LT, VEC>;
       TmaParams tp;
       tp.p = p;
       tp.lanes = lanes_for(pb.D, VEC);
@@ -537,20 +328,15 @@ struct Launch {
       tp.tile_w = tw;
       tp.tile_h = per_tile / tw;
       tp.patches = pb.Lq == pb.S;
-      // Dynamic shared memory: 1024 bytes of alignment slack, the consumer's
-      // scratch, then two stages of boxes, at most kDefaultStages bytes (or
-      // what MS_DEFORM_ATTN_SMEM_BUDGET says), within what the device allows.
-      const int64_t scratch = mma ? mma_warp_bytes(pb.D) * (kTmaThreads / 32)
-                                  : CornerSlots<acc_t<T>>::kBytesPerThread * kTmaThreads;
-      const int64_t fixed = 1024 + scratch;
+      // Dynamic shared memory: 128 bytes of alignment slack, the CornerSlots,
+      // then two stages of boxes, at most kDefaultStages bytes (or what
+      // MS_DEFORM_ATTN_SMEM_BUDGET says), within what the device allows.
+      const int64_t fixed = 128 + CornerSlots<acc_t<T>>::kBytesPerThread * kTmaThreads;
       SmemPlan plan;
-      cudaError_t err = plan_smem(kernel, fixed, p.smem_budget, mma ? 48 * 1024 : kDefaultStages, plan);
+      cudaError_t err = plan_smem(kernel, fixed, p.smem_budget, kDefaultStages, plan);
       if (err != cudaSuccess) return err;
-      // The tensor-core consumer reads swizzled boxes (ldmatrix without bank
-      // conflicts between pixels a 128-byte line apart).
-      const int swizzle = mma ? static_cast<int>(pb.D * sizeof(T)) : 0;
       err = make_tma_levels(p, tp.patches ? tp.tile_w : per_tile, tp.patches ? tp.tile_h : 1,
-                            plan.budget / 2, swizzle, tp.lv);
+                            plan.budget / 2, tp.lv);
       if (err != cudaSuccess) return err;
       const int64_t dynamic = fixed + 2 * tp.lv.stage_bytes;
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -43,20 +43,11 @@ CUtensorMapDataType map_dtype(DType t) {
 // +-2), plus jitter and the bilinear footprint's second pixel.
 constexpr int64_t kMargin = 4;
 
-int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
-
-CUtensorMapSwizzle map_swizzle(int bytes) {
-  switch (bytes) {
-    case 32: return CU_TENSOR_MAP_SWIZZLE_32B;
-    case 64: return CU_TENSOR_MAP_SWIZZLE_64B;
-    case 128: return CU_TENSOR_MAP_SWIZZLE_128B;
-    default: return CU_TENSOR_MAP_SWIZZLE_NONE;
-  }
-}
+int64_t round128(int64_t x) { return (x + 127) / 128 * 128; }
 
 // Box sides of every level for a tile_w x tile_h tile, scaled by `f` (<= 1).
 int64_t size_boxes(const int64_t* shapes, int L, int64_t px_bytes, int tile_w, int tile_h,
-                   double f, int64_t align, TmaLevels& t) {
+                   double f, TmaLevels& t) {
   int64_t total = 0;
   for (int l = 0; l < L; ++l) {
     const int64_t H = shapes[2 * l], W = shapes[2 * l + 1];
@@ -65,7 +56,7 @@ int64_t size_boxes(const int64_t* shapes, int L, int64_t px_bytes, int tile_w, i
     t.box_w[l] = w >= 1 && h >= 1 ? static_cast<int>(w) : 0;
     t.box_h[l] = t.box_w[l] > 0 ? static_cast<int>(h) : 0;
     t.off[l] = total;
-    total += round_up(int64_t(t.box_w[l]) * t.box_h[l] * px_bytes, align);
+    total += round128(int64_t(t.box_w[l]) * t.box_h[l] * px_bytes);
   }
   return total;
 }
@@ -73,15 +64,14 @@ int64_t size_boxes(const int64_t* shapes, int L, int64_t px_bytes, int tile_w, i
 }  // namespace
 
 cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int64_t stage_budget,
-                            int swizzle, TmaLevels& out) {
+                            TmaLevels& out) {
   const Problem& pb = p.pb;
-  if (swizzle != 0 && swizzle != dtype_bytes(pb.value_dtype) * pb.D) return cudaErrorInvalidValue;
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   std::vector<int64_t> key = {device, int64_t(reinterpret_cast<uintptr_t>(p.value)),
                               int64_t(pb.value_dtype), pb.N, pb.S, pb.M, pb.D, pb.L,
-                              tile_w, tile_h, stage_budget, swizzle};
+                              tile_w, tile_h, stage_budget};
   key.insert(key.end(), p.host_shapes, p.host_shapes + 2 * pb.L);
   static std::mutex mu;
   static std::map<std::vector<int64_t>, TmaLevels> cache;
@@ -96,17 +86,12 @@ cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int6
   const int64_t e = dtype_bytes(pb.value_dtype);
   const int64_t px_bytes = pb.D * e;
   TmaLevels t = {};
-  t.swizzle = swizzle;
-  // A swizzled box starts on a 1024-byte boundary (the pattern's period for
-  // every span), so that the pattern is the same function of the offset in
-  // the box as of the shared address.
-  const int64_t align = swizzle != 0 ? 1024 : 128;
   // Full boxes if they fit, else all of them shrunk by the same factor.
   double f = 1.0;
-  t.stage_bytes = size_boxes(p.host_shapes, pb.L, px_bytes, tile_w, tile_h, f, align, t);
+  t.stage_bytes = size_boxes(p.host_shapes, pb.L, px_bytes, tile_w, tile_h, f, t);
   while (t.stage_bytes > stage_budget && f > 0.0) {
     f = f > 0.05 ? f * 0.9 : 0.0;
-    t.stage_bytes = size_boxes(p.host_shapes, pb.L, px_bytes, tile_w, tile_h, f, align, t);
+    t.stage_bytes = size_boxes(p.host_shapes, pb.L, px_bytes, tile_w, tile_h, f, t);
   }
   int64_t start = 0;
   for (int l = 0; l < pb.L; ++l) {
@@ -125,7 +110,7 @@ cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int6
       const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
       void* base = static_cast<char*>(const_cast<void*>(p.value)) + start * pb.M * px_bytes;
       const CUresult r = encode(&t.map[l], map_dtype(pb.value_dtype), 5, base, dims, strides, box,
-                                unit, CU_TENSOR_MAP_INTERLEAVE_NONE, map_swizzle(swizzle),
+                                unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
       if (r != CUDA_SUCCESS) return cudaErrorInvalidValue;

@@ -14,17 +14,13 @@ namespace msda::cuda {
 // Level l of value as a 5-d tensor (innermost first) D x M x W x H x N, its
 // box D x 1 x box_w x box_h x 1 (one head's channels of box_h rows of box_w
 // pixels: [box_h][box_w][D] in shared memory) at byte offset off[l] of a
-// stage (128-byte aligned; 1024 with a swizzle). box_w == 0: level not staged.
-// swizzle: 0, or the span in bytes (32, 64, 128: D * element size) of the
-// copy engine's shared-memory swizzle, which XORs address bits [4, 4 + k)
-// with bits [7, 7 + k), k = log2(swizzle / 16).
+// stage (128-byte aligned). box_w == 0: level not staged.
 struct TmaLevels {
   CUtensorMap map[kMaxLevels];
   int box_w[kMaxLevels];
   int box_h[kMaxLevels];
   int64_t off[kMaxLevels];
   int64_t stage_bytes;      // one stage: every level's box
-  int swizzle;
   int H[kMaxLevels];        // the host's shapes the maps were made from
   int W[kMaxLevels];
   int64_t start[kMaxLevels];  // and the level starts they imply (exclusive sums)
@@ -35,9 +31,9 @@ struct TmaLevels {
 // plus a margin of the samples' usual reach, at most the level, shrunk
 // together until one stage (all levels) fits in stage_budget bytes.
 // Descriptors are cached per (device, data pointer, dtype, sizes, shapes,
-// tile, budget, swizzle): a descriptor depends on nothing else, so a hit is
-// always right. Thread-safe.
+// tile, budget): a descriptor depends on nothing else, so a hit is always
+// right. Thread-safe.
 cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int64_t stage_budget,
-                            int swizzle, TmaLevels& out);
+                            TmaLevels& out);
 
 }  // namespace msda::cuda
