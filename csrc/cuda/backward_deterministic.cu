@@ -93,9 +93,10 @@ __device__ __forceinline__ int pixel_slots(const Problem& pb, const Level& lv, i
   return g;
 }
 
-// Warp items of one level of one (n, m): its pixels, slots / g a warp.
-__device__ __forceinline__ int64_t level_items(const Problem& pb, const Level& lv, int slots) {
-  const int64_t per = slots / pixel_slots(pb, lv, slots);
+// Warp items of one level of one (n, m): its pixels, slots / g a warp (g =
+// pixel_slots()).
+__device__ __forceinline__ int64_t level_items(const Level& lv, int slots, int g) {
+  const int64_t per = slots / g;
   return (int64_t(lv.H) * lv.W + per - 1) / per;
 }
 
@@ -139,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     Id first = 0;
     for (int l = pb.L - 1; l >= 0; --l) {
       lv_slots[l] = pixel_slots(pb, levels[l], slots);
-      lv_items[l] = Id(level_items(pb, levels[l], slots));
+      lv_items[l] = Id(level_items(levels[l], slots, lv_slots[l]));
       lv_first[l] = first;
       first += NM * lv_items[l];
     }
@@ -243,14 +244,13 @@ struct GatherLaunch {
                                                                       rows, wts);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     const int lanes = lanes_for(p.pb.D, VEC);
-    const int64_t threads = p.pb.N * p.pb.S * p.pb.M * lanes;
-    if (threads == 0) return cudaSuccess;
+    const int64_t items = p.pb.N * p.pb.M * p.pb.S;  // pixels of the grad_value map
+    if (items == 0) return cudaSuccess;
     T* out = static_cast<T*>(b.grad_value);
     // Up to 64 warps an SM (at most one a pixel); the rest of the items are
     // taken in turn (grid stride).
     DeviceLimits d;
     if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
-    const int64_t items = p.pb.N * p.pb.M * p.pb.S;
     const unsigned blocks = static_cast<unsigned>(
         std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(d.sms) * 8)));
     value_grad_pixels<T, VEC, Id><<<blocks, kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
