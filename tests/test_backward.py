@@ -213,3 +213,41 @@ def test_gradients_on_workloads(device, backend, workload, dtype, deterministic)
     want = reference64_grads(value, shapes, start, loc, attn, grad)
     for name, g, r in zip(("value", "locations", "weights"), got, want):
         assert rel_err(g, r) <= TOL[dtype], name
+
+
+# The deterministic path's corner dots run on tensor cores for 16-bit values
+# with D a multiple of 32, at most 32 samples a (query, head) once the points
+# of a level are padded to 4, and 16-byte aligned value and grad_output
+# (backward.cu, dots_mma_kernel); everything else takes the FFMA kernel.
+# These shapes walk the edges of that kernel and its fall-backs.
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("d,shapes,p,lq,misaligned", [
+    (96, [(9, 11), (5, 6)], 3, 37, False),           # three 32-channel passes, P padded to 4
+    (128, [(7, 5)], 1, 21, False),                   # four passes, 3 padding slots of every 4
+    (32, [(9, 11), (5, 6), (3, 3)], 5, 19, False),   # 8 slots a level: one group a warp task
+    (32, [(4, 4)] * 4, 8, 13, False),                # L P = 32 exactly (the seed workload's)
+    (64, [(1, 1), (2, 3)], 2, 7, False),             # 1 x 1 level, footprints mostly off the map
+    (32, [(4, 4)] * 5, 8, 9, False),                 # 40 padded samples: the FFMA kernel
+    (32, [(9, 11), (5, 6)], 4, 23, True),            # value not 16-byte aligned: the FFMA kernel
+], ids=["d96-p3", "d128-p1", "p5", "lp32", "tiny-levels", "lp40-ffma", "misaligned-ffma"])
+def test_deterministic_dots_on_tensor_cores(dtype, d, shapes, p, lq, misaligned):
+    inputs = make_inputs(3, lq, 3, d, shapes, p, dtype, torch.float32, device="cuda")
+    value, shapes_t, start, loc, attn = inputs
+    if misaligned:  # the same values one element into a larger buffer
+        buf = torch.empty(value.numel() + 1, dtype=dtype, device="cuda")
+        buf[1:].copy_(value.flatten())
+        value = buf[1:].view(value.shape)
+        assert value.data_ptr() % 16 != 0
+    value, loc, attn = (t.detach().requires_grad_() for t in (value, loc, attn))
+    out = run(value, shapes_t, start, loc, attn, "baseline", deterministic=True)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (value, loc, attn), grad)
+    ref = reference64_grads(value, shapes_t, start, loc, attn, grad)
+    for name, g, r in zip(("value", "locations", "weights"), grads, ref):
+        err = rel_err(g, r)
+        assert err <= TOL[dtype], f"grad of {name}: rel. error {err:.2e}"
+    again = torch.autograd.grad(run(value, shapes_t, start, loc, attn, "baseline",
+                                    deterministic=True), (value, loc, attn), grad)
+    for a, b in zip(grads, again):
+        assert torch.equal(a, b)

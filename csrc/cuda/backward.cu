@@ -21,6 +21,7 @@
 
 #include "sampler.cuh"
 #include "launch.h"
+#include "tensor_core.cuh"
 
 namespace msda::cuda {
 namespace {
@@ -130,16 +131,20 @@ __device__ __forceinline__ void sample_grads(const BackwardSample<A>& s, const A
   }
 }
 
+// The (n, m) index n M + m of group (n, q, m).
+__device__ __forceinline__ int64_t group_nm(const Problem& pb, int64_t group) {
+  return group / (pb.Lq * pb.M) * pb.M + group % pb.M;
+}
+
 // Writes the attention weight and location gradients of sample i of group
 // `group` (g summed over the group) and, on the deterministic path, its cell
-// key (level_base = its level's first cell).
+// key (nm = group_nm(group), level_base = its level's first cell).
 template <typename A, typename LT>
 __device__ __forceinline__ void write_grads(const BackwardParams& p, const BackwardSample<A>& s,
-                                            const A (&g)[3], int64_t group, int i,
+                                            const A (&g)[3], int64_t group, int i, int64_t nm,
                                             int64_t level_base) {
   const int64_t sample = group * p.pb.L * p.pb.P + i;
   if (p.cell_keys != nullptr) {
-    const int64_t nm = group / (p.pb.Lq * p.pb.M) * p.pb.M + group % p.pb.M;
     write_key(p, sample, s.b.inside && !s.b.poisoned(), nm, level_base, s.b, s.lv.W);
   }
   static_cast<LT*>(p.grad_attn)[sample] = from_acc<LT>(acc_t<LT>(g[0]));
@@ -255,7 +260,8 @@ __global__ void __launch_bounds__(kThreads)
       if (live) {
         A gr[3];
         sample_grads(s, mine, gr);
-        write_grads<A, LT>(p, s, gr, group, i, keys ? cell_base[l] : 0);
+        write_grads<A, LT>(p, s, gr, group, i, keys ? group_nm(pb, group) : 0,
+                           keys ? cell_base[l] : 0);
       }
     }
   } else {
@@ -273,7 +279,8 @@ __global__ void __launch_bounds__(kThreads)
       sample_grads(s, dot, gr);
       group_sum(gr, lanes);
       if (live && lane == 0) {
-        write_grads<A, LT>(p, s, gr, group, i, keys ? cell_base[l] : 0);
+        write_grads<A, LT>(p, s, gr, group, i, keys ? group_nm(pb, group) : 0,
+                           keys ? cell_base[l] : 0);
       }
     }
   }
@@ -324,12 +331,167 @@ struct Launch {
   }
 };
 
+// ---- the deterministic path's dots on tensor cores (16-bit values) --------
+// Without grad_value, the backward of a sample is its four corner dots
+// grad_output . value[corner] and what follows from them. Those dots contract
+// over channels, the direction value rows lie in memory, so a 16 x 16 tile
+// (16 corner rows x 16 channels) is an mma A operand loaded with plain
+// 16-byte loads: lane 4 g + t loads channels 8 t .. 8 t + 7 of corner rows g
+// and g + 8, and a k-step takes two of its four words (the channels of a
+// k-step in an order of their own, the same for B). B's column 0 is
+// grad_output (lanes 0-3 load its words alike), the other columns zero, and
+// C's column 0 (lanes 4 g) holds the dots of rows g and g + 8.
+//
+// A warp takes 32 sample slots at once: 32 / (L Pp) (query, head) groups,
+// Pp = P rounded up to 4 (padding slots do nothing). Lane s resolves slot s
+// (location, weight, footprint, the value rows of its four clamped corners)
+// into the warp's table; then every 4 slots (4 points of one level of one
+// group) are one 16-row tile: rows g < 8 are corner g % 4 of slot g / 4, rows
+// g + 8 corner g % 4 of slot 2 + g / 4; C's dots go back to the table and
+// each resolving lane writes its sample's gradients and cell key.
+constexpr int kDotsWarps = kThreads / 32;
+
+__device__ __forceinline__ uint4 load16(const char* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// by_lqm, by_m: division by Lq M and by M (groups below 2^31).
+template <typename T, typename LT>
+__global__ void __launch_bounds__(kThreads)
+    dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m) {
+  using A = float;
+  const Problem& pb = p.pb;
+  __shared__ Level levels[kMaxLevels];
+  __shared__ int64_t cell_base[kMaxLevels];
+  __shared__ uint4 rows_tab[kDotsWarps][32];   // a slot's four corner rows of value
+  __shared__ float4 dots_tab[kDotsWarps][32];  // a slot's four corner dots
+  load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int Pp = (pb.P + 3) & ~3, LPp = pb.L * Pp, groups = 32 / LPp;
+  const int used = groups * LPp;  // slots in use, a multiple of 4
+  const int rj = lane / LPp, l = (lane % LPp) / Pp, pt = (lane % LPp) % Pp;
+  const bool slot_ok = lane < used && pt < pb.P;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t G = pb.N * pb.Lq * pb.M;
+  const int64_t tasks = (G + groups - 1) / groups;
+  // Byte addresses: lane t's 16 bytes of a row (channels 8 t .. 8 t + 7 of
+  // every 32), rows of D elements.
+  const int row_bytes = static_cast<int>(pb.D * sizeof(T));
+  const char* vlane = static_cast<const char*>(p.value) + 16 * t;
+  const char* glane = static_cast<const char*>(p.grad_out) + 16 * t;
+  uint32_t* rows_u = reinterpret_cast<uint32_t*>(rows_tab[warp]);
+  float* dots_f = reinterpret_cast<float*>(dots_tab[warp]);
+
+  for (int64_t task = int64_t(blockIdx.x) * kDotsWarps + warp; task < tasks;
+       task += int64_t(gridDim.x) * kDotsWarps) {
+    const int64_t group = task * groups + rj;
+    const bool live = slot_ok && group < G;
+    // group < 2^31 (dots_mma_ok): 32-bit divisions by multiplication.
+    const uint32_t g32 = static_cast<uint32_t>(min(group, G - 1));
+    const uint32_t n = by_lqm(g32), m = g32 - by_m(g32) * static_cast<uint32_t>(pb.M);
+    const int64_t nm = int64_t(n) * pb.M + m;
+    const int i = l * pb.P + pt;
+    BackwardSample<A> s;
+    uint4 rows = make_uint4(0, 0, 0, 0);  // row 0: always loadable, its dots unused
+    if (live) {
+      const auto [loc, attn] = query_row<LT>(p, group);
+      s = load_sample<A>(loc, attn, i, levels[l]);
+      if (s.b.inside) {
+        int pix[4];
+        clamped_corners(s.b, s.lv.H, s.lv.W, pix);
+        const uint32_t r0 = static_cast<uint32_t>(value_row(n, s.lv.start, m, pb.S, pb.M));
+        const uint32_t M = static_cast<uint32_t>(pb.M);
+        rows = make_uint4(r0 + uint32_t(pix[0]) * M, r0 + uint32_t(pix[1]) * M,
+                          r0 + uint32_t(pix[2]) * M, r0 + uint32_t(pix[3]) * M);
+      }
+    }
+    rows_tab[warp][lane] = rows;
+    __syncwarp();
+    // Tiles of 4 slots; the conditions are the same on every lane. Row g of
+    // tile sb is table entry 4 sb + g (slot sb + g / 4, corner g % 4), row
+    // g + 8 entry 4 sb + 8 + g.
+    uint32_t tg = static_cast<uint32_t>(task * groups);  // the tile's group
+    for (int sb = 0, next = LPp; sb < used; sb += 4) {
+      if (sb == next) {
+        ++tg;
+        next += LPp;
+      }
+      if (tg >= G) break;
+      const char* pa = vlane + uint64_t(rows_u[4 * sb + g]) * row_bytes;
+      const char* pr = vlane + uint64_t(rows_u[4 * sb + 8 + g]) * row_bytes;
+      const char* pg = glane + uint64_t(tg) * row_bytes;
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+      for (int off = 0; off < row_bytes; off += 64) {  // 32 channels a pass
+        const uint4 va = load16(pa + off);
+        const uint4 vb = load16(pr + off);
+        const uint4 go = g == 0 ? load16(pg + off) : make_uint4(0, 0, 0, 0);
+        mma_16816<T>(c, {va.x, vb.x, va.y, vb.y}, go.x, go.y);
+        mma_16816<T>(c, {va.z, vb.z, va.w, vb.w}, go.z, go.w);
+      }
+      if (t == 0) {
+        dots_f[4 * sb + g] = c[0];
+        dots_f[4 * sb + 8 + g] = c[2];
+      }
+    }
+    __syncwarp();
+    if (live) {
+      const float4 d = dots_tab[warp][lane];
+      const A dot[4] = {d.x, d.y, d.z, d.w};
+      A gr[3];
+      sample_grads(s, dot, gr);
+      write_grads<A, LT>(p, s, gr, group, i, nm, cell_base[l]);
+    }
+    __syncwarp();  // the tables are rewritten by the next task
+  }
+}
+
+// Whether dots_mma_kernel serves p: the deterministic path (no grad_value,
+// keys), 16-bit values, D a multiple of 32, at most 32 padded samples a
+// group, value rows numbered in 32 bits, groups below 2^31, 16-byte aligned
+// value and grad_output.
+template <typename T>
+bool dots_mma_ok(const BackwardParams& p) {
+  const Problem& pb = p.pb;
+  const bool sixteen = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+  const int padded = (pb.P + 3) / 4 * 4;
+  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return sixteen && p.grad_value_acc == nullptr && p.cell_keys != nullptr && pb.D % 32 == 0 &&
+         pb.L * padded <= 32 && pb.N * pb.S * pb.M <= int64_t(UINT32_MAX) &&
+         pb.N * pb.Lq * pb.M < int64_t(INT32_MAX) && aligned(p.value) && aligned(p.grad_out);
+}
+
+template <typename T, typename LT, int VEC>
+struct DotsLaunch {
+  static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
+    if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
+      if (VEC == 1 || !dots_mma_ok<T>(p)) return Launch<T, LT, VEC>::run(p, stream);
+      const Problem& pb = p.pb;
+      const int LPp = pb.L * ((pb.P + 3) / 4 * 4);
+      const int64_t tasks = (pb.N * pb.Lq * pb.M + 32 / LPp - 1) / (32 / LPp);
+      if (tasks == 0) return cudaSuccess;
+      DeviceLimits d;
+      if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+      // Up to 8 blocks an SM (64 warps), the rest of the tasks in turn.
+      const int64_t blocks = std::min<int64_t>((tasks + kDotsWarps - 1) / kDotsWarps, int64_t(d.sms) * 8);
+      const FastDiv by_lqm(static_cast<uint32_t>(pb.Lq * pb.M)), by_m(static_cast<uint32_t>(pb.M));
+      dots_mma_kernel<T, LT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, by_lqm, by_m);
+      return cudaGetLastError();
+    } else {
+      return Launch<T, LT, VEC>::run(p, stream);
+    }
+  }
+};
+
 }  // namespace
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
-  return p.grad_value_acc != nullptr
-             ? launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/16>(p, stream)
-             : launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/32>(p, stream);
+  if (p.grad_value_acc != nullptr) {
+    return launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/16>(p, stream);
+  }
+  // The deterministic path: tensor-core dots where dots_mma_ok, else the
+  // FFMA kernel.
+  return launch_for_dtypes<DotsLaunch, /*kVecOfAcc=*/true, /*kVecBytes=*/32>(p, stream);
 }
 
 }  // namespace msda::cuda

@@ -352,6 +352,21 @@ inline cudaError_t device_limits(DeviceLimits& d) {
   return status[dev];
 }
 
+// Division of a 31-bit numerator by a divisor fixed at launch: a multiply-
+// high, an add and a shift instead of the division routine (Granlund and
+// Montgomery's method; the numerator below 2^31 keeps the add in 32 bits).
+struct FastDiv {
+  uint32_t mul = 1, shift = 0;
+  FastDiv() = default;
+  explicit FastDiv(uint32_t d) {  // d >= 1
+    while ((uint64_t(1) << shift) < d) ++shift;
+    mul = static_cast<uint32_t>((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d) / d + 1);
+  }
+  __device__ __forceinline__ uint32_t operator()(uint32_t n) const {
+    return (__umulhi(n, mul) + n) >> shift;
+  }
+};
+
 inline unsigned grid_for(int64_t threads) {
   return static_cast<unsigned>((threads + kThreads - 1) / kThreads);
 }
