@@ -16,7 +16,9 @@
 // one lane each and handed round through shared memory (encoders), or set
 // up by every lane (decoders).
 // Deterministic path (backward_deterministic.cu): no grad_value here; each
-// sample's cell key and index are written instead, for the sort.
+// sample's cell key and index are written instead, for the sort. With 16-bit
+// values its corner dots run on tensor cores (dots_mma_kernel, below) where
+// dots_mma_ok says so.
 #include <algorithm>
 
 #include "sampler.cuh"
