@@ -14,10 +14,14 @@ Implementations:
   transformers  transformers' DeformableDetrMultiscaleDeformableAttention on its own
                 path, the same weights
   swapped       that layer after ms_deform_attn.hf.swap_msda
-For each: median step time (CUDA events on a GPU, wall clock on the CPU),
-the bytes the layer keeps for its backward (saved tensors, counted with
+For each: median step time (CUDA events around an eager step on a GPU, so
+the host's launch gaps count; wall clock on the CPU), the bytes the layer
+keeps for its backward (saved tensors, counted with
 torch.autograd.graph.saved_tensors_hooks), and on a GPU the peak memory of
-a step of --encoder-layers stacked layers (residual connections).
+a step of --encoder-layers stacked layers (residual connections). On a GPU,
+ours and swapped are also timed as CUDA-graph replays (fwd_graph_us,
+fwdbwd_graph_us: GPU time alone; the other two read the level shapes on the
+host and cannot be captured).
 
 Model: a full-size transformers DeformableDetrModel built from its config
 (ResNet-50-shaped backbone, no weights, no network), batch 2 at 800 x 1333
@@ -55,9 +59,22 @@ def _time(device: str, step: Callable[[], None], target_ms: float) -> float:
     return time_cpu(lambda i: step(), 1, target_s=target_ms / 1e3)[0]
 
 
-def _autocast(device: str, dtype: str):
+# Layers a CUDA graph can capture: no host reads of device tensors (the
+# grid_sample reference and transformers' own path read the level shapes).
+GRAPHABLE = ("ours", "swapped")
+
+
+def _graph_time(step: Callable[[], object], target_ms: float) -> float:
+    """Median GPU time of step() in microseconds, replayed from a CUDA graph
+    (no launch gaps; benchmarks.timing.time_cuda)."""
+    return time_cuda(lambda i: step(), 1, use_graph=True, target_ms=target_ms)[0]
+
+
+def _autocast(device: str, dtype: str, cache: bool = True):
+    """bf16 autocast for "bf16"; `cache` False under CUDA-graph capture (the
+    cast cache would hold tensors of the capture's memory pool)."""
     if dtype == "bf16":
-        return torch.autocast(device_type=device, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device, dtype=torch.bfloat16, cache_enabled=cache)
     return nullcontext()
 
 
@@ -161,6 +178,25 @@ def bench_layer(args) -> List[Dict]:
                        "fwdbwd_us": _time(device, step, args.target_ms),
                        "fwd_us": _time(device, lambda f=forward: f(), args.target_ms),
                        "saved_bytes": saved_bytes(forward)}
+                if device == "cuda" and impl in GRAPHABLE:
+                    # GPU time without the host's launch gaps: the gradients
+                    # of the inputs and weights as fresh tensors (no .grad
+                    # accumulation inside the graph).
+                    leaves = [query, flat] + [p for p in layer.parameters() if p.requires_grad]
+
+                    def g_forward(layer=layer):
+                        with _autocast(device, dname, cache=False):
+                            return call_layer(layer, query, flat, ref, shapes, start, levels)
+
+                    def g_step(g_forward=g_forward, leaves=leaves):
+                        out = g_forward()
+                        return torch.autograd.grad(out, leaves, grad.to(out.dtype))
+
+                    try:
+                        row["fwd_graph_us"] = _graph_time(g_forward, args.target_ms)
+                        row["fwdbwd_graph_us"] = _graph_time(g_step, args.target_ms)
+                    except RuntimeError as e:  # a capture the layer does not allow
+                        row["graph_error"] = f"{type(e).__name__}: {e}"
                 if device == "cuda":
                     mods = [copy.deepcopy(layer) for _ in range(args.encoder_layers)]
                     row["stack_peak_bytes"] = _stack_peak(mods, query, flat, ref, shapes, start,
