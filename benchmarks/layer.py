@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 from contextlib import nullcontext
@@ -51,23 +52,18 @@ IMPLS = ("ours", "pytorch", "transformers", "swapped")
 DTYPES = ("fp32", "bf16")
 
 
-def _time(device: str, step: Callable[[], None], target_ms: float) -> float:
+def _time(device: str, step: Callable[[], object], target_ms: float, graph: bool = False) -> float:
     """Median time of step() in microseconds: benchmarks.timing's eager
-    timers (CUDA events on a GPU, wall clock on the CPU)."""
+    timers (CUDA events on a GPU, wall clock on the CPU), or with `graph`
+    replays of a CUDA graph (GPU time, no launch gaps)."""
     if device == "cuda":
-        return time_cuda(lambda i: step(), 1, use_graph=False, target_ms=target_ms)[0]
+        return time_cuda(lambda i: step(), 1, use_graph=graph, target_ms=target_ms)[0]
     return time_cpu(lambda i: step(), 1, target_s=target_ms / 1e3)[0]
 
 
 # Layers a CUDA graph can capture: no host reads of device tensors (the
 # grid_sample reference and transformers' own path read the level shapes).
 GRAPHABLE = ("ours", "swapped")
-
-
-def _graph_time(step: Callable[[], object], target_ms: float) -> float:
-    """Median GPU time of step() in microseconds, replayed from a CUDA graph
-    (no launch gaps; benchmarks.timing.time_cuda)."""
-    return time_cuda(lambda i: step(), 1, use_graph=True, target_ms=target_ms)[0]
 
 
 def _autocast(device: str, dtype: str, cache: bool = True):
@@ -166,8 +162,8 @@ def bench_layer(args) -> List[Dict]:
                     print(f"skip {impl}: {e}")
                     continue
 
-                def forward(layer=layer):
-                    with _autocast(device, dname):
+                def forward(layer=layer, cache=True):
+                    with _autocast(device, dname, cache):
                         return call_layer(layer, query, flat, ref, shapes, start, levels)
 
                 def step(forward=forward):
@@ -176,25 +172,22 @@ def bench_layer(args) -> List[Dict]:
 
                 row = {"workload": wl.name, "dtype": dname, "impl": impl,
                        "fwdbwd_us": _time(device, step, args.target_ms),
-                       "fwd_us": _time(device, lambda f=forward: f(), args.target_ms),
+                       "fwd_us": _time(device, forward, args.target_ms),
                        "saved_bytes": saved_bytes(forward)}
                 if device == "cuda" and impl in GRAPHABLE:
                     # GPU time without the host's launch gaps: the gradients
                     # of the inputs and weights as fresh tensors (no .grad
                     # accumulation inside the graph).
                     leaves = [query, flat] + [p for p in layer.parameters() if p.requires_grad]
-
-                    def g_forward(layer=layer):
-                        with _autocast(device, dname, cache=False):
-                            return call_layer(layer, query, flat, ref, shapes, start, levels)
+                    g_forward = functools.partial(forward, cache=False)
 
                     def g_step(g_forward=g_forward, leaves=leaves):
                         out = g_forward()
                         return torch.autograd.grad(out, leaves, grad.to(out.dtype))
 
                     try:
-                        row["fwd_graph_us"] = _graph_time(g_forward, args.target_ms)
-                        row["fwdbwd_graph_us"] = _graph_time(g_step, args.target_ms)
+                        row["fwd_graph_us"] = _time(device, g_forward, args.target_ms, graph=True)
+                        row["fwdbwd_graph_us"] = _time(device, g_step, args.target_ms, graph=True)
                     except RuntimeError as e:  # a capture the layer does not allow
                         row["graph_error"] = f"{type(e).__name__}: {e}"
                 if device == "cuda":
