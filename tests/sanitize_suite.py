@@ -59,6 +59,17 @@ def main() -> int:
                                               deterministic=det, spatial_shapes_list=levels)
                     torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
                     count += 1
+    # Crowded levels: the deterministic grad_value's tiles split over several
+    # warps (bf16, one and two 32-channel passes).
+    for d in (32, 64):
+        levels = [(5, 7), (3, 2), (1, 1)]
+        value, shapes, start, loc, attn = make_inputs(2, 400, 3, d, levels, 3, torch.bfloat16,
+                                                      torch.float32, outside=0.3, seed=count)
+        shapes, start = shapes.cuda(), start.cuda()
+        value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
+        out = msda.ms_deform_attn(value, shapes, start, loc, attn, deterministic=True)
+        torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
+        count += 1
     torch.cuda.synchronize()
     print(f"sanitize suite: {count} forward+backward cases, backends "
           f"{msda.available_backends('cuda')}")

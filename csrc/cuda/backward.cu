@@ -133,14 +133,10 @@ __device__ __forceinline__ void sample_grads(const BackwardSample<A>& s, const A
   }
 }
 
-// The (n, m) index n M + m of group (n, q, m).
-__device__ __forceinline__ int64_t group_nm(const Problem& pb, int64_t group) {
-  return group / (pb.Lq * pb.M) * pb.M + group % pb.M;
-}
-
 // Writes the attention weight and location gradients of sample i of group
 // `group` (g summed over the group) and, on the deterministic path, its cell
-// key (nm = group_nm(group), level_base = its level's first cell).
+// key (nm = n M + m of the group (n, q, m), level_base = its level's first
+// cell).
 template <typename A, typename LT>
 __device__ __forceinline__ void write_grads(const BackwardParams& p, const BackwardSample<A>& s,
                                             const A (&g)[3], int64_t group, int i, int64_t nm,
@@ -262,8 +258,7 @@ __global__ void __launch_bounds__(kThreads)
       if (live) {
         A gr[3];
         sample_grads(s, mine, gr);
-        write_grads<A, LT>(p, s, gr, group, i, keys ? group_nm(pb, group) : 0,
-                           keys ? cell_base[l] : 0);
+        write_grads<A, LT>(p, s, gr, group, i, n * pb.M + m, keys ? cell_base[l] : 0);
       }
     }
   } else {
@@ -281,8 +276,7 @@ __global__ void __launch_bounds__(kThreads)
       sample_grads(s, dot, gr);
       group_sum(gr, lanes);
       if (live && lane == 0) {
-        write_grads<A, LT>(p, s, gr, group, i, keys ? group_nm(pb, group) : 0,
-                           keys ? cell_base[l] : 0);
+        write_grads<A, LT>(p, s, gr, group, i, n * pb.M + m, keys ? cell_base[l] : 0);
       }
     }
   }
@@ -353,14 +347,19 @@ struct Launch {
 // each resolving lane writes its sample's gradients and cell key.
 constexpr int kDotsWarps = kThreads / 32;
 
+// Sample slots a level takes in a warp task: P rounded up to 4.
+__host__ __device__ __forceinline__ int padded_points(int P) { return (P + 3) / 4 * 4; }
+
 __device__ __forceinline__ uint4 load16(const char* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-// by_lqm, by_m: division by Lq M and by M (groups below 2^31).
+// by_lqm, by_m: division by Lq M and by M (groups below 2^31); tasks: warp
+// tasks in all.
 template <typename T, typename LT>
 __global__ void __launch_bounds__(kThreads)
-    dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m) {
+    dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m,
+                    const int64_t tasks) {
   using A = float;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
@@ -369,13 +368,12 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float4 dots_tab[kDotsWarps][32];  // a slot's four corner dots
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int Pp = (pb.P + 3) & ~3, LPp = pb.L * Pp, groups = 32 / LPp;
+  const int Pp = padded_points(pb.P), LPp = pb.L * Pp, groups = 32 / LPp;
   const int used = groups * LPp;  // slots in use, a multiple of 4
   const int rj = lane / LPp, l = (lane % LPp) / Pp, pt = (lane % LPp) % Pp;
   const bool slot_ok = lane < used && pt < pb.P;
   const int g = lane >> 2, t = lane & 3;
   const int64_t G = pb.N * pb.Lq * pb.M;
-  const int64_t tasks = (G + groups - 1) / groups;
   // Byte addresses: lane t's 16 bytes of a row (channels 8 t .. 8 t + 7 of
   // every 32), rows of D elements.
   const int row_bytes = static_cast<int>(pb.D * sizeof(T));
@@ -456,10 +454,9 @@ template <typename T>
 bool dots_mma_ok(const BackwardParams& p) {
   const Problem& pb = p.pb;
   const bool sixteen = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
-  const int padded = (pb.P + 3) / 4 * 4;
   const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   return sixteen && p.grad_value_acc == nullptr && p.cell_keys != nullptr && pb.D % 32 == 0 &&
-         pb.L * padded <= 32 && pb.N * pb.S * pb.M <= int64_t(UINT32_MAX) &&
+         pb.L * padded_points(pb.P) <= 32 && pb.N * pb.S * pb.M <= int64_t(UINT32_MAX) &&
          pb.N * pb.Lq * pb.M < int64_t(INT32_MAX) && aligned(p.value) && aligned(p.grad_out);
 }
 
@@ -467,9 +464,9 @@ template <typename T, typename LT, int VEC>
 struct DotsLaunch {
   static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (VEC == 1 || !dots_mma_ok<T>(p)) return Launch<T, LT, VEC>::run(p, stream);
+      if (!dots_mma_ok<T>(p)) return Launch<T, LT, VEC>::run(p, stream);
       const Problem& pb = p.pb;
-      const int LPp = pb.L * ((pb.P + 3) / 4 * 4);
+      const int LPp = pb.L * padded_points(pb.P);
       const int64_t tasks = (pb.N * pb.Lq * pb.M + 32 / LPp - 1) / (32 / LPp);
       if (tasks == 0) return cudaSuccess;
       DeviceLimits d;
@@ -477,7 +474,8 @@ struct DotsLaunch {
       // Up to 8 blocks an SM (64 warps), the rest of the tasks in turn.
       const int64_t blocks = std::min<int64_t>((tasks + kDotsWarps - 1) / kDotsWarps, int64_t(d.sms) * 8);
       const FastDiv by_lqm(static_cast<uint32_t>(pb.Lq * pb.M)), by_m(static_cast<uint32_t>(pb.M));
-      dots_mma_kernel<T, LT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, by_lqm, by_m);
+      dots_mma_kernel<T, LT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, by_lqm, by_m,
+                                                                                 tasks);
       return cudaGetLastError();
     } else {
       return Launch<T, LT, VEC>::run(p, stream);

@@ -22,6 +22,7 @@
 
 #include "common.cuh"
 #include "launch.h"
+#include "tensor_core.cuh"
 
 namespace msda::cuda {
 namespace {
@@ -76,6 +77,17 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);
 }
 
+// The level table on the device is inconsistent (load_levels): nothing adds
+// to grad_value, which is zero. Called by every thread of the grid.
+template <typename T>
+__device__ void zero_grad_value(const Problem& pb, T* grad_value) {
+  const int64_t total = pb.N * pb.S * pb.M * pb.D;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    grad_value[i] = from_acc<T>(acc_t<T>(0));
+  }
+}
+
 constexpr int kBatch = 4;  // walk entries a slot loads at once
 constexpr int kWarps = kThreads / 32;
 
@@ -119,13 +131,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   __shared__ int64_t cell_base[kMaxLevels];
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
   if (levels[0].poison) {
-    // The level table on the device is inconsistent (load_levels): nothing
-    // adds to grad_value, which is zero.
-    const int64_t total = pb.N * pb.S * pb.M * pb.D;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-         i += int64_t(gridDim.x) * blockDim.x) {
-      grad_value[i] = from_acc<T>(A(0));
-    }
+    zero_grad_value(pb, grad_value);
     return;
   }
 
@@ -229,6 +235,275 @@ __global__ void __launch_bounds__(kThreads, 4)
   }
 }
 
+// ---- grad_value on tensor cores (bf16 values) ------------------------------
+// The gather's sums as matrix products. A warp owns a 4 x 4 tile of pixels of
+// one (n, m, level); the samples of the 5 x 5 cells around it (cell rows
+// y0 - 1 .. y0 + 3 and columns x0 - 1 .. x0 + 3: five runs of the sorted
+// order) are taken 32 at a time (a round), and grad_value[tile] += W^T G,
+// with W (32 samples x 16 pixels) their corner weights, split in a bf16 high
+// and low part so that the weights keep fp32 precision, and G (32 samples x
+// 32 channels) their grad_output rows: 2 k-steps x 4 n-tiles x 2 parts of
+// m16n8k16 mma, fp32 sums. Each sample's lane scatters its in-tile corner
+// weights into a zeroed W in shared memory; G's rows are copied with
+// cp.async; both reach the mma through ldmatrix (.trans for G, whose rows
+// are samples). Tiles of the crowded (small) levels are split over 2-8 warps
+// of a block, which take the rounds in turn and add their sums in a fixed
+// order, so the result is the same on every run.
+constexpr int kTileRounds = 8;  // rounds a warp aims at before its tile is split
+
+struct __align__(16) TileSmem {
+  union {
+    // [k-step][hi, lo][pixel][sample]; a pixel's 16 samples are two 16-byte
+    // halves, swapped on pixels 4-7 and 12-15 (conflict-free ldmatrix).
+    uint16_t a[2][2][16][16];
+    float red[16][32];  // the warp's sums, for the reduction of split tiles
+  };
+  // [sample][channel] of a 32-channel pass; 16-byte chunk q of sample s at
+  // chunk q ^ ((s >> 1) & 3) (conflict-free ldmatrix.trans).
+  uint16_t b[32][32];
+  // The tile's runs: exclusive prefix of their lengths, and first sorted
+  // position minus that prefix (modular when unsigned).
+  uint64_t pre[5], off[5];
+};
+
+// Warps a tile of level lv gets (a power of two <= kWarps): about one per
+// kTileRounds rounds of the samples its 5 x 5 cells hold on average.
+__device__ __forceinline__ int tile_warps(const Problem& pb, const Level& lv) {
+  const float per_cell = float(pb.Lq) * float(pb.P) / (float(lv.H + 1) * float(lv.W + 1));
+  const float cells = float(min(lv.H + 1, 5)) * float(min(lv.W + 1, 5));
+  const float rounds = per_cell * cells / 32.f;
+  int g = 1;
+  while (g < kWarps && rounds > float(kTileRounds * g)) g <<= 1;
+  return g;
+}
+
+// One sample of a tile's runs, as its lane holds it for a round: loaded a
+// round ahead and not used before (the loads stay in flight).
+template <typename Id>
+struct TileEntry {
+  Id row = ~Id(0);                  // grad_output row; none: ~0
+  Id key = 0;                       // its cell's key
+  float4 w = {0.f, 0.f, 0.f, 0.f};  // corner weights
+  int run = -1;                     // its run (cell row y0 - 1 + run); none: -1
+};
+
+__device__ __forceinline__ void split_bf16(float w, uint16_t& hi, uint16_t& lo) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(w);
+  hi = __bfloat16_as_ushort(h);
+  lo = __bfloat16_as_ushort(__float2bfloat16_rn(w - __bfloat162float(h)));
+}
+
+// 80 registers, 3 blocks an SM (at 64 it spills). A G copied a round ahead
+// into a second buffer measured slower (benchmarks/NOTES.md).
+template <typename Id>
+__global__ void __launch_bounds__(kThreads, 3)
+    value_grad_tiles(const BackwardParams p, const Id* __restrict__ rows,
+                     const float* __restrict__ wts, const Id* __restrict__ keys,
+                     const int64_t* __restrict__ cell_start, __nv_bfloat16* __restrict__ grad_value) {
+  using T = __nv_bfloat16;
+  const Problem& pb = p.pb;
+  __shared__ Level levels[kMaxLevels];
+  __shared__ int64_t cell_base[kMaxLevels];
+  load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
+  if (levels[0].poison) {
+    zero_grad_value(pb, grad_value);
+    return;
+  }
+  // Per level: warps a tile, block items of one (n, m) (kWarps / g tiles
+  // each), first item (the smallest levels first).
+  __shared__ int lv_warps[kMaxLevels];
+  __shared__ int64_t lv_items[kMaxLevels], lv_first[kMaxLevels + 1];
+  __shared__ TileSmem smem[kWarps];
+  if (threadIdx.x == 0) {
+    int64_t first = 0;
+    for (int l = pb.L - 1; l >= 0; --l) {
+      const Level& lv = levels[l];
+      const int g = tile_warps(pb, lv);
+      const int64_t tiles = int64_t((lv.H + 3) / 4) * ((lv.W + 3) / 4);
+      lv_warps[l] = g;
+      lv_items[l] = (tiles + kWarps / g - 1) / (kWarps / g);
+      lv_first[l] = first;
+      first += pb.N * pb.M * lv_items[l];
+    }
+    lv_first[pb.L] = first;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  TileSmem& sm = smem[warp];
+  const unsigned row_bytes = static_cast<unsigned>(pb.D * sizeof(T));
+
+  for (int64_t item = blockIdx.x; item < lv_first[pb.L]; item += gridDim.x) {
+    int l = 0;
+    while (item < lv_first[l]) ++l;  // lv_first decreases with l
+    const Level lv = levels[l];
+    const int g = lv_warps[l], sub = warp % g;  // uniform over the block
+    const int64_t r = item - lv_first[l];
+    const int64_t nm = r / lv_items[l];
+    const int tiles_x = (lv.W + 3) / 4;
+    const int64_t tile = (r - nm * lv_items[l]) * (kWarps / g) + warp / g;
+    const bool tile_ok = tile < int64_t((lv.H + 3) / 4) * tiles_x;
+    const int y0 = tile_ok ? 4 * static_cast<int>(tile / tiles_x) : 0;
+    const int x0 = tile_ok ? 4 * static_cast<int>(tile % tiles_x) : 0;
+    // Run q (lane q < 5): the cells (y0 - 1 + q, x0 - 1 .. min(x0 + 3, W - 1)),
+    // consecutive keys.
+    const Id kbase = Id(cell_key(nm, p.cell_stride, cell_base[l], y0 - 1, x0 - 1, lv.W));
+    Id first = 0, len = 0;
+    if (tile_ok && lane < 5 && y0 - 1 + lane <= lv.H - 1) {
+      const int64_t k = int64_t(kbase) + int64_t(lane) * (lv.W + 1);
+      first = Id(cell_start[k]);
+      len = Id(cell_start[k + min(5, lv.W - x0 + 1)]) - first;
+    }
+    Id pre = len;  // inclusive scan over lanes 0-4
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) {
+      const Id t = __shfl_up_sync(0xffffffffu, pre, o);
+      if (lane >= o) pre += t;
+    }
+    const Id count = __shfl_sync(0xffffffffu, pre, 4);
+    pre -= len;
+    if (lane < 5) {
+      sm.pre[lane] = pre;
+      sm.off[lane] = first - pre;
+    }
+    __syncwarp();
+    // Entry v of the tile's runs, as lane v % 32 holds it for its round.
+    auto fetch = [&](Id v) {
+      TileEntry<Id> e;
+      if (v < count) {
+        int q = 0;
+#pragma unroll
+        for (int u = 1; u < 5; ++u) q += v >= Id(sm.pre[u]) ? 1 : 0;
+        const Id j = v + Id(sm.off[q]);
+        e.run = q;
+        e.key = keys[j];
+        e.w = reinterpret_cast<const float4*>(wts)[j];
+        e.row = rows[j];
+      }
+      return e;
+    };
+    const int64_t n = nm / pb.M, m = nm % pb.M;
+
+    for (int64_t cp = 0; cp < pb.D; cp += 32) {  // 32-channel passes
+      // This lane's 16 bytes (chunk lane % 4) of a grad_output row.
+      const char* glane = static_cast<const char*>(p.grad_out) + cp * int64_t(sizeof(T)) + 16 * (lane % 4);
+      // G of a round's entries: lane copies chunk lane % 4 of samples
+      // lane / 4 + 8 i (zeros for samples past the runs' end, so that 0 * G
+      // stays 0).
+      auto stage_g = [&](const TileEntry<Id>& e) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int s = lane / 4 + 8 * i, q = lane % 4;
+          const Id row = __shfl_sync(0xffffffffu, e.row, s);
+          const bool ok = row != ~Id(0);
+          cp_async16(&sm.b[s][8 * (q ^ ((s >> 1) & 3))], glane + uint64_t(ok ? row : Id(0)) * row_bytes,
+                     ok ? 16 : 0);
+        }
+        cp_async_commit();
+      };
+      // W of a round's entries: zeroed, then each sample's corners inside the
+      // tile.
+      auto build_w = [&](const TileEntry<Id>& e) {
+        uint4* a4 = reinterpret_cast<uint4*>(&sm.a[0][0][0][0]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) a4[lane + 32 * i] = make_uint4(0, 0, 0, 0);
+        __syncwarp();
+        if (e.run >= 0) {
+          // Corner 0 at tile pixel (py, px); element (y, x) of this lane's
+          // sample column s in a plane of W: y * 64 + x * 16 + (s ^ 8 (y & 1)).
+          const int s = lane % 16;
+          const int py = e.run - 1;
+          const int px = static_cast<int>(e.key - kbase) - e.run * (lv.W + 1) - 1;
+          const int top = py * 64 + px * 16 + (s ^ ((py & 1) << 3));
+          const int bottom = (py + 1) * 64 + px * 16 + (s ^ (((py + 1) & 1) << 3));
+          const bool up = unsigned(py) < 4u, down = unsigned(py + 1) < 4u;
+          const bool left = unsigned(px) < 4u, right = unsigned(px + 1) < 4u;
+          const int off[4] = {top, top + 16, bottom, bottom + 16};
+          const bool in[4] = {up && left, up && right, down && left, down && right};
+          const float w[4] = {e.w.x, e.w.y, e.w.z, e.w.w};
+          uint16_t* plane = &sm.a[lane / 16][0][0][0];  // hi; lo 256 elements on
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if (in[k]) split_bf16(w[k], plane[off[k]], plane[off[k] + 256]);
+          }
+        }
+      };
+      float acc[4][4] = {};
+      // acc += W^T G (after the copies are waited for).
+      auto multiply = [&]() {
+        __syncwarp();
+        const int mi = lane / 8, rr = lane % 8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          uint32_t ahi[4], alo[4], b[2][4];
+          const int pix = (mi & 1) * 8 + rr, acol = 8 * ((mi >> 1) ^ ((pix >> 2) & 1));
+          ldmatrix_x4<false>(ahi, &sm.a[h][0][pix][acol]);
+          ldmatrix_x4<false>(alo, &sm.a[h][1][pix][acol]);
+          const int s = 16 * h + (mi & 1) * 8 + rr;
+#pragma unroll
+          for (int cpair = 0; cpair < 2; ++cpair) {
+            const int q = 2 * cpair + (mi >> 1);
+            ldmatrix_x4<true>(b[cpair], &sm.b[s][8 * (q ^ ((s >> 1) & 3))]);
+          }
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const uint32_t b0 = b[c >> 1][2 * (c & 1)], b1 = b[c >> 1][2 * (c & 1) + 1];
+            mma_16816<T>(acc[c], ahi, b0, b1);
+            mma_16816<T>(acc[c], alo, b0, b1);
+          }
+        }
+        __syncwarp();  // W and G are rewritten by the next round
+      };
+      const Id step = Id(32 * g);
+      TileEntry<Id> cur = fetch(Id(sub) * 32 + lane);
+      for (Id v0 = Id(sub) * 32; v0 < count; v0 += step) {
+        const TileEntry<Id> nxt = fetch(v0 + step + lane);  // in flight meanwhile
+        stage_g(cur);
+        build_w(cur);
+        cp_async_wait<0>();
+        multiply();
+        cur = nxt;
+      }
+      if (g > 1) {  // the tile's warps' sums, added in warp order
+        __syncwarp();
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sm.red[4 * c + e][lane] = acc[c][e];
+        }
+        __syncthreads();
+        if (sub == 0) {
+          for (int o = 1; o < g; ++o) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[c][e] += smem[warp + o].red[4 * c + e][lane];
+            }
+          }
+        }
+        __syncthreads();
+      }
+      // acc[c] = (pixel lane / 4, channels 8 c + 2 t, + 1) and the same of
+      // pixel lane / 4 + 8 (two rows further down), t = lane % 4.
+      if (sub == 0 && tile_ok) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int y = y0 + (lane / 4) / 4 + 2 * half, x = x0 + (lane / 4) % 4;
+          if (y < lv.H && x < lv.W) {
+            T* out = grad_value +
+                     value_row(n, lv.start + int64_t(y) * lv.W + x, m, pb.S, pb.M) * pb.D + cp +
+                     2 * (lane % 4);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+              const float pair[2] = {acc[c][2 * half], acc[c][2 * half + 1]};
+              store_vec<T, 2>(out + 8 * c, pair);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T, typename LT, int VEC>
 struct GatherLaunch {
   template <typename Id>
@@ -247,10 +522,19 @@ struct GatherLaunch {
     const int64_t items = p.pb.N * p.pb.M * p.pb.S;  // pixels of the grad_value map
     if (items == 0) return cudaSuccess;
     T* out = static_cast<T*>(b.grad_value);
-    // Up to 64 warps an SM (at most one a pixel); the rest of the items are
-    // taken in turn (grid stride).
     DeviceLimits d;
     if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+    if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC == 8) {
+      // VEC == 8: grad_output and grad_value 16-byte aligned, D a multiple of 8.
+      if (p.pb.D % 32 == 0) {
+        // As many blocks as fit (3 an SM), the rest of the items in turn.
+        value_grad_tiles<Id><<<static_cast<unsigned>(d.sms) * 3, kThreads, 0, stream>>>(
+            p, rows, wts, static_cast<const Id*>(b.sorted_keys), start, out);
+        return cudaGetLastError();
+      }
+    }
+    // Up to 64 warps an SM (at most one a pixel); the rest of the items are
+    // taken in turn (grid stride).
     const unsigned blocks = static_cast<unsigned>(
         std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(d.sms) * 8)));
     value_grad_pixels<T, VEC, Id><<<blocks, kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);

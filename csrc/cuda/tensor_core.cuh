@@ -1,5 +1,5 @@
-// Warp-level tensor-core helper (sm_80+ PTX, used on sm_90): the m16n8k16
-// mma of 16-bit inputs with fp32 accumulators.
+// Warp-level tensor-core helpers (sm_80+ PTX, used on sm_90): the m16n8k16
+// mma of 16-bit inputs with fp32 accumulators, ldmatrix and cp.async.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -32,6 +32,43 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+// Four 8 x 8 matrices of 16-bit elements from shared memory: lane i gives
+// the address of row i % 8 of matrix i / 8 (16 contiguous bytes); r[j] is
+// matrix j in the mma fragment layout (lane 4 g + t: row g, columns 2t,
+// 2t + 1), or with `trans` its transpose (rows 2t, 2t + 1, column g).
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+}
+
+// 16 bytes global -> shared through L2 only, without a register round trip;
+// `bytes` < 16 of the source are read (0: none) and the rest zero-filled. A
+// thread's copies since its last commit form a group; cp_async_wait<N>()
+// waits until at most N of its groups are in flight.
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src, int bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem_src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 }  // namespace msda::cuda
