@@ -49,9 +49,12 @@ def ms_deform_attn(
             The environment variable MS_DEFORM_ATTN_BACKEND overrides "auto".
         deterministic: whether the backward must give bitwise identical
             gradients on every run (grad_value by sort and gather instead of
-            atomics; slower, see BENCHMARKS.md). None (default) follows
+            atomics). None (default) follows
             torch.are_deterministic_algorithms_enabled() at backward time.
-            The forward is deterministic either way.
+            Without it the backward takes whichever path is faster: on CUDA
+            with bf16 values and dense sampling (encoders) that is the sorted
+            one, reproducible too; elsewhere atomics (BENCHMARKS.md). The
+            forward is deterministic either way.
         spatial_shapes_list: the level shapes on the host, [(H, W), ...] (what
             transformers passes as value_spatial_shapes_list), equal to
             spatial_shapes. Optional; the `tma` backend needs it to build its

@@ -446,18 +446,23 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The shapes and pointers dots_mma_kernel takes: D a multiple of 32, at most
+// 32 padded samples a group, value rows numbered in 32 bits, groups below
+// 2^31, 16-byte aligned value and grad_output.
+bool dots_mma_shapes_ok(const BackwardParams& p) {
+  const Problem& pb = p.pb;
+  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
+  return pb.D % 32 == 0 && pb.L * padded_points(pb.P) <= 32 &&
+         pb.N * pb.S * pb.M <= int64_t(UINT32_MAX) && pb.N * pb.Lq * pb.M < int64_t(INT32_MAX) &&
+         aligned(p.value) && aligned(p.grad_out);
+}
+
 // Whether dots_mma_kernel serves p: the deterministic path (no grad_value,
-// keys), 16-bit values, D a multiple of 32, at most 32 padded samples a
-// group, value rows numbered in 32 bits, groups below 2^31, 16-byte aligned
-// value and grad_output.
+// keys), 16-bit values, dots_mma_shapes_ok().
 template <typename T>
 bool dots_mma_ok(const BackwardParams& p) {
-  const Problem& pb = p.pb;
   const bool sixteen = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
-  const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  return sixteen && p.grad_value_acc == nullptr && p.cell_keys != nullptr && pb.D % 32 == 0 &&
-         pb.L * padded_points(pb.P) <= 32 && pb.N * pb.S * pb.M <= int64_t(UINT32_MAX) &&
-         pb.N * pb.Lq * pb.M < int64_t(INT32_MAX) && aligned(p.value) && aligned(p.grad_out);
+  return sixteen && p.grad_value_acc == nullptr && p.cell_keys != nullptr && dots_mma_shapes_ok(p);
 }
 
 template <typename T, typename LT, int VEC>
@@ -484,6 +489,12 @@ struct DotsLaunch {
 };
 
 }  // namespace
+
+bool sorted_backward_preferred(const BackwardParams& p) {
+  const Problem& pb = p.pb;
+  return pb.value_dtype == DType::bf16 && dots_mma_shapes_ok(p) &&
+         3 * pb.Lq * pb.L * pb.P >= pb.S;
+}
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
   if (p.grad_value_acc != nullptr) {

@@ -38,6 +38,15 @@ cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream);
 // accumulator with grad_value_acc, 32 without (or 1).
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
 
+// Whether the deterministic (sorted) backward is also the faster one for p
+// (value, grad_out and pb set), as measured (benchmarks/NOTES.md): bf16
+// values, whose dots and grad_value then run on tensor cores (D a multiple
+// of 32, at most 32 samples a query once each level's points are padded to
+// 4, 16-byte aligned value and grad_output), and at least a third of a
+// sample a value pixel (Lq L P >= S / 3: the encoders, not sparse decoders,
+// where the sort's fixed costs lose to atomics).
+bool sorted_backward_preferred(const BackwardParams& p);
+
 // Deterministic grad_value (backward_deterministic.cu), after backward() wrote
 // keys and ids. Sizes in elements; keys and ids are unsigned (wide: uint64).
 struct DeterministicBuffers {
