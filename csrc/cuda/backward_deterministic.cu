@@ -77,15 +77,55 @@ __global__ void __launch_bounds__(kThreads)
   for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);
 }
 
-// The level table on the device is inconsistent (load_levels): nothing adds
-// to grad_value, which is zero. Called by every thread of the grid.
-template <typename T>
-__device__ void zero_grad_value(const Problem& pb, T* grad_value) {
-  const int64_t total = pb.N * pb.S * pb.M * pb.D;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    grad_value[i] = from_acc<T>(acc_t<T>(0));
+// The gathers' tables in shared memory: the levels and their first cells;
+// per level a work split (slots a pixel, warps a tile), the work items of one
+// (n, m) and the first item, the smallest levels first (the most entries a
+// pixel).
+template <typename I>
+struct GatherTables {
+  Level levels[kMaxLevels];
+  int64_t cell_base[kMaxLevels];
+  int split[kMaxLevels];
+  I items[kMaxLevels];
+  I first[kMaxLevels + 1];  // first[L]: the total
+
+  // The level of item `item` (first[] decreases with l).
+  __device__ __forceinline__ int level_of(I item) const {
+    int l = 0;
+    while (item < first[l]) ++l;
+    return l;
   }
+};
+
+// Fills t (every thread of the block calls it): split_of(level) gives a
+// level's split, items_of(level, split) its items of one (n, m). When the
+// level table on the device is inconsistent (load_levels) nothing adds to
+// grad_value: it is zeroed here and false returned.
+template <typename I, typename T, typename SplitOf, typename ItemsOf>
+__device__ bool load_gather_tables(const BackwardParams& p, GatherTables<I>& t, T* grad_value,
+                                   SplitOf split_of, ItemsOf items_of) {
+  const Problem& pb = p.pb;
+  load_levels_and_cells(t.levels, t.cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
+  if (t.levels[0].poison) {
+    const int64_t total = pb.N * pb.S * pb.M * pb.D;
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+         i += int64_t(gridDim.x) * blockDim.x) {
+      grad_value[i] = from_acc<T>(acc_t<T>(0));
+    }
+    return false;
+  }
+  if (threadIdx.x == 0) {
+    I first = 0;
+    for (int l = pb.L - 1; l >= 0; --l) {
+      t.split[l] = split_of(t.levels[l]);
+      t.items[l] = I(items_of(t.levels[l], t.split[l]));
+      t.first[l] = first;
+      first += I(pb.N * pb.M) * t.items[l];
+    }
+    t.first[pb.L] = first;
+  }
+  __syncthreads();
+  return true;
 }
 
 constexpr int kBatch = 4;  // walk entries a slot loads at once
@@ -127,43 +167,26 @@ __global__ void __launch_bounds__(kThreads, 4)
                       T* __restrict__ grad_value, const int lanes) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
-  __shared__ Level levels[kMaxLevels];
-  __shared__ int64_t cell_base[kMaxLevels];
-  load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
-  if (levels[0].poison) {
-    zero_grad_value(pb, grad_value);
-    return;
-  }
-
-  // Per level: slots a pixel, warp items of one (n, m), first item (the
-  // smallest levels first).
-  __shared__ int lv_slots[kMaxLevels];
-  __shared__ Id lv_items[kMaxLevels], lv_first[kMaxLevels + 1];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int slots = 32 / lanes, slot = lane / lanes, q = lane % lanes;
-  const Id NM = Id(pb.N * pb.M);  // N M S < 2^32 unless Id is 64-bit (N M S < cells)
-  if (threadIdx.x == 0) {
-    Id first = 0;
-    for (int l = pb.L - 1; l >= 0; --l) {
-      lv_slots[l] = pixel_slots(pb, levels[l], slots);
-      lv_items[l] = Id(level_items(levels[l], slots, lv_slots[l]));
-      lv_first[l] = first;
-      first += NM * lv_items[l];
-    }
-    lv_first[pb.L] = first;  // the total
+  // Items: slots / g pixels of a level (g = its slots a pixel); N M S < 2^32
+  // unless Id is 64-bit (N M S < cells).
+  __shared__ GatherTables<Id> t;
+  if (!load_gather_tables(
+          p, t, grad_value, [&](const Level& lv) { return pixel_slots(pb, lv, slots); },
+          [&](const Level& lv, int g) { return level_items(lv, slots, g); })) {
+    return;
   }
-  __syncthreads();
-  const Id total = lv_first[pb.L];
+  const Id total = t.first[pb.L];
   const T* gout = static_cast<const T*>(p.grad_out);
 
   for (Id item = Id(blockIdx.x) * kWarps + warp; item < total; item += Id(gridDim.x) * kWarps) {
-    int l = 0;
-    while (item < lv_first[l]) ++l;  // lv_first decreases with l
-    const Level lv = levels[l];
-    const int g = lv_slots[l];
-    const Id r = item - lv_first[l];
-    const Id nm = r / lv_items[l];
-    const Id pix = (r - nm * lv_items[l]) * Id(slots / g) + Id(slot / g);
+    const int l = t.level_of(item);
+    const Level lv = t.levels[l];
+    const int g = t.split[l];
+    const Id r = item - t.first[l];
+    const Id nm = r / t.items[l];
+    const Id pix = (r - nm * t.items[l]) * Id(slots / g) + Id(slot / g);
     const int sub = slot % g;  // this lane's slot of its pixel
     const bool pix_ok = pix < Id(lv.H) * Id(lv.W);
     const int y = static_cast<int>(pix / Id(lv.W)), x = static_cast<int>(pix - Id(y) * Id(lv.W));
@@ -176,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     // edge). Positions in Id arithmetic (32 bits unless the problem needs 64).
     Id bnd[2][3] = {{0, 0, 0}, {0, 0, 0}};
     if (pix_ok) {
-      const int64_t key = int64_t(cell_key(int64_t(nm), p.cell_stride, cell_base[l], y - 1, x - 1, lv.W));
+      const int64_t key = int64_t(cell_key(int64_t(nm), p.cell_stride, t.cell_base[l], y - 1, x - 1, lv.W));
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
 #pragma unroll
@@ -302,51 +325,35 @@ __global__ void __launch_bounds__(kThreads, 3)
                      const int64_t* __restrict__ cell_start, __nv_bfloat16* __restrict__ grad_value) {
   using T = __nv_bfloat16;
   const Problem& pb = p.pb;
-  __shared__ Level levels[kMaxLevels];
-  __shared__ int64_t cell_base[kMaxLevels];
-  load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
-  if (levels[0].poison) {
-    zero_grad_value(pb, grad_value);
+  // Block items: kWarps / g tiles of a level (g = its warps a tile).
+  __shared__ GatherTables<int64_t> t;
+  if (!load_gather_tables(
+          p, t, grad_value, [&](const Level& lv) { return tile_warps(pb, lv); },
+          [&](const Level& lv, int g) {
+            const int64_t tiles = int64_t((lv.H + 3) / 4) * ((lv.W + 3) / 4);
+            return (tiles + kWarps / g - 1) / (kWarps / g);
+          })) {
     return;
   }
-  // Per level: warps a tile, block items of one (n, m) (kWarps / g tiles
-  // each), first item (the smallest levels first).
-  __shared__ int lv_warps[kMaxLevels];
-  __shared__ int64_t lv_items[kMaxLevels], lv_first[kMaxLevels + 1];
   __shared__ TileSmem smem[kWarps];
-  if (threadIdx.x == 0) {
-    int64_t first = 0;
-    for (int l = pb.L - 1; l >= 0; --l) {
-      const Level& lv = levels[l];
-      const int g = tile_warps(pb, lv);
-      const int64_t tiles = int64_t((lv.H + 3) / 4) * ((lv.W + 3) / 4);
-      lv_warps[l] = g;
-      lv_items[l] = (tiles + kWarps / g - 1) / (kWarps / g);
-      lv_first[l] = first;
-      first += pb.N * pb.M * lv_items[l];
-    }
-    lv_first[pb.L] = first;
-  }
-  __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   TileSmem& sm = smem[warp];
   const unsigned row_bytes = static_cast<unsigned>(pb.D * sizeof(T));
 
-  for (int64_t item = blockIdx.x; item < lv_first[pb.L]; item += gridDim.x) {
-    int l = 0;
-    while (item < lv_first[l]) ++l;  // lv_first decreases with l
-    const Level lv = levels[l];
-    const int g = lv_warps[l], sub = warp % g;  // uniform over the block
-    const int64_t r = item - lv_first[l];
-    const int64_t nm = r / lv_items[l];
+  for (int64_t item = blockIdx.x; item < t.first[pb.L]; item += gridDim.x) {
+    const int l = t.level_of(item);
+    const Level lv = t.levels[l];
+    const int g = t.split[l], sub = warp % g;  // uniform over the block
+    const int64_t r = item - t.first[l];
+    const int64_t nm = r / t.items[l];
     const int tiles_x = (lv.W + 3) / 4;
-    const int64_t tile = (r - nm * lv_items[l]) * (kWarps / g) + warp / g;
+    const int64_t tile = (r - nm * t.items[l]) * (kWarps / g) + warp / g;
     const bool tile_ok = tile < int64_t((lv.H + 3) / 4) * tiles_x;
     const int y0 = tile_ok ? 4 * static_cast<int>(tile / tiles_x) : 0;
     const int x0 = tile_ok ? 4 * static_cast<int>(tile % tiles_x) : 0;
     // Run q (lane q < 5): the cells (y0 - 1 + q, x0 - 1 .. min(x0 + 3, W - 1)),
     // consecutive keys.
-    const Id kbase = Id(cell_key(nm, p.cell_stride, cell_base[l], y0 - 1, x0 - 1, lv.W));
+    const Id kbase = Id(cell_key(nm, p.cell_stride, t.cell_base[l], y0 - 1, x0 - 1, lv.W));
     Id first = 0, len = 0;
     if (tile_ok && lane < 5 && y0 - 1 + lane <= lv.H - 1) {
       const int64_t k = int64_t(kbase) + int64_t(lane) * (lv.W + 1);
