@@ -492,8 +492,14 @@ struct DotsLaunch {
 
 bool sorted_backward_preferred(const BackwardParams& p) {
   const Problem& pb = p.pb;
-  return pb.value_dtype == DType::bf16 && dots_mma_shapes_ok(p) &&
-         3 * pb.Lq * pb.L * pb.P >= pb.S;
+  // Samples of one (n, m) against its S value pixels: at least a third
+  // (measured: below it the sort's fixed costs lose to the atomics), at most
+  // D, so that the sorted path's scratch (32 bytes a sample) stays within 8x
+  // the atomic path's accumulator (4 D bytes a pixel): a memory bound, not a
+  // speed measurement.
+  const int64_t samples = pb.Lq * pb.L * pb.P;
+  return pb.value_dtype == DType::bf16 && dots_mma_shapes_ok(p) && 3 * samples >= pb.S &&
+         samples <= pb.S * pb.D;
 }
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {

@@ -363,8 +363,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     Id pre = len;  // inclusive scan over lanes 0-4
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) {
-      const Id t = __shfl_up_sync(0xffffffffu, pre, o);
-      if (lane >= o) pre += t;
+      const Id below = __shfl_up_sync(0xffffffffu, pre, o);
+      if (lane >= o) pre += below;
     }
     const Id count = __shfl_sync(0xffffffffu, pre, 4);
     pre -= len;

@@ -42,9 +42,11 @@ cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
 // (value, grad_out and pb set), as measured (benchmarks/NOTES.md): bf16
 // values, whose dots and grad_value then run on tensor cores (D a multiple
 // of 32, at most 32 samples a query once each level's points are padded to
-// 4, 16-byte aligned value and grad_output), and at least a third of a
-// sample a value pixel (Lq L P >= S / 3: the encoders, not sparse decoders,
-// where the sort's fixed costs lose to atomics).
+// 4, 16-byte aligned value and grad_output), and between a third of a
+// sample and D samples a value pixel (S / 3 <= Lq L P <= S D: the encoders,
+// not sparse decoders, where the sort's fixed costs lose to atomics; the
+// upper bound keeps the sorted path's scratch within 8x the atomic path's
+// accumulator).
 bool sorted_backward_preferred(const BackwardParams& p);
 
 // Deterministic grad_value (backward_deterministic.cu), after backward() wrote
