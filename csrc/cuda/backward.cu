@@ -446,10 +446,11 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The shapes and pointers dots_mma_kernel takes: D a multiple of 32, at most
-// 32 padded samples a group, value rows numbered in 32 bits, groups below
-// 2^31, 16-byte aligned value and grad_output.
-bool dots_mma_shapes_ok(const BackwardParams& p) {
+// Whether dots_mma_kernel takes p's shapes and pointers (its 16-bit values
+// and the deterministic path are the callers' to ensure): D a multiple of
+// 32, at most 32 padded samples a group, value rows numbered in 32 bits,
+// groups below 2^31, 16-byte aligned value and grad_output.
+bool dots_mma_ok(const BackwardParams& p) {
   const Problem& pb = p.pb;
   const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
   return pb.D % 32 == 0 && pb.L * padded_points(pb.P) <= 32 &&
@@ -457,19 +458,11 @@ bool dots_mma_shapes_ok(const BackwardParams& p) {
          aligned(p.value) && aligned(p.grad_out);
 }
 
-// Whether dots_mma_kernel serves p: the deterministic path (no grad_value,
-// keys), 16-bit values, dots_mma_shapes_ok().
-template <typename T>
-bool dots_mma_ok(const BackwardParams& p) {
-  const bool sixteen = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
-  return sixteen && p.grad_value_acc == nullptr && p.cell_keys != nullptr && dots_mma_shapes_ok(p);
-}
-
 template <typename T, typename LT, int VEC>
 struct DotsLaunch {
   static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (!dots_mma_ok<T>(p)) return Launch<T, LT, VEC>::run(p, stream);
+      if (!dots_mma_ok(p)) return Launch<T, LT, VEC>::run(p, stream);
       const Problem& pb = p.pb;
       const int LPp = pb.L * padded_points(pb.P);
       const int64_t tasks = (pb.N * pb.Lq * pb.M + 32 / LPp - 1) / (32 / LPp);
@@ -498,7 +491,7 @@ bool sorted_backward_preferred(const BackwardParams& p) {
   // the atomic path's accumulator (4 D bytes a pixel): a memory bound, not a
   // speed measurement.
   const int64_t samples = pb.Lq * pb.L * pb.P;
-  return pb.value_dtype == DType::bf16 && dots_mma_shapes_ok(p) && 3 * samples >= pb.S &&
+  return pb.value_dtype == DType::bf16 && dots_mma_ok(p) && 3 * samples >= pb.S &&
          samples <= pb.S * pb.D;
 }
 

@@ -525,7 +525,6 @@ struct GatherLaunch {
     pack_samples<A, LT, Id><<<grid_for(b.items), kThreads, 0, stream>>>(p, sorted, start, b.cells,
                                                                       rows, wts);
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-    const int lanes = lanes_for(p.pb.D, VEC);
     const int64_t items = p.pb.N * p.pb.M * p.pb.S;  // pixels of the grad_value map
     if (items == 0) return cudaSuccess;
     T* out = static_cast<T*>(b.grad_value);
@@ -542,6 +541,7 @@ struct GatherLaunch {
     }
     // Up to 64 warps an SM (at most one a pixel); the rest of the items are
     // taken in turn (grid stride).
+    const int lanes = lanes_for(p.pb.D, VEC);
     const unsigned blocks = static_cast<unsigned>(
         std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(d.sms) * 8)));
     value_grad_pixels<T, VEC, Id><<<blocks, kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
