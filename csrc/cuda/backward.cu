@@ -330,22 +330,25 @@ struct Launch {
 // ---- the deterministic path's dots on tensor cores (16-bit values) --------
 // Without grad_value, the backward of a sample is its four corner dots
 // grad_output . value[corner] and what follows from them. Those dots contract
-// over channels, the direction value rows lie in memory, so a 16 x 16 tile
-// (16 corner rows x 16 channels) is an mma A operand loaded with plain
-// 16-byte loads: lane 4 g + t loads channels 8 t .. 8 t + 7 of corner rows g
-// and g + 8, and a k-step takes two of its four words (the channels of a
-// k-step in an order of their own, the same for B). B's column 0 is
-// grad_output (lanes 0-3 load its words alike), the other columns zero, and
-// C's column 0 (lanes 4 g) holds the dots of rows g and g + 8.
+// over channels, the direction value rows lie in memory, so value rows are
+// an mma A operand loaded with plain 16-byte loads, no shuffling: a tile is
+// 8 corner rows (two samples) of 32 channels, A's row g their corner g's
+// first 16 channels and row g + 8 its last 16. Lane 4 g + t loads channels
+// 8 t .. 8 t + 7 of corner g, words w0..w3, which are A's a0..a3 as they
+// stand: word 4 t + h is (half h, k = 2 t), word 4 t + 2 + h (half h, k =
+// 2 t + 8). B's columns 2 j and 2 j + 1 are the two halves of grad_output
+// row j of four (query, head) groups in the same k order, so C[g][2 j] +
+// C[g + 8][2 j + 1] (c0 + c3 of lane 4 g + j) is corner g's dot with group
+// j's grad_output: one m16n8k16 a tile and 32 channels.
 //
 // A warp takes 32 sample slots at once: 32 / (L Pp) (query, head) groups,
 // Pp = P rounded up to 4 (padding slots do nothing). Lane s resolves slot s
 // (location, weight, footprint, the value rows of its four clamped corners)
-// into the warp's table; then every 4 slots (4 points of one level of one
-// group) are one 16-row tile: rows g < 8 are corner g % 4 of slot g / 4, rows
-// g + 8 corner g % 4 of slot 2 + g / 4; C's dots go back to the table and
-// each resolving lane writes its sample's gradients and cell key.
+// into the warp's table; tile k is slots 2 k and 2 k + 1 (table entries
+// 8 k .. 8 k + 7); the dots go back to the table and each resolving lane
+// writes its sample's gradients and cell key.
 constexpr int kDotsWarps = kThreads / 32;
+constexpr int kDotsTiles = 16;  // a warp task's tiles: 32 slots, 2 a tile
 
 // Sample slots a level takes in a warp task: P rounded up to 4.
 __host__ __device__ __forceinline__ int padded_points(int P) { return (P + 3) / 4 * 4; }
@@ -355,9 +358,10 @@ __device__ __forceinline__ uint4 load16(const char* p) {
 }
 
 // by_lqm, by_m: division by Lq M and by M (groups below 2^31); tasks: warp
-// tasks in all.
-template <typename T, typename LT>
-__global__ void __launch_bounds__(kThreads)
+// tasks in all. kOnePass: D == 32, one channel pass a tile, so that the
+// unrolled tiles' loads may be in flight together.
+template <typename T, typename LT, bool kOnePass>
+__global__ void __launch_bounds__(kThreads, 4)
     dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m,
                     const int64_t tasks) {
   using A = float;
@@ -369,24 +373,33 @@ __global__ void __launch_bounds__(kThreads)
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Pp = padded_points(pb.P), LPp = pb.L * Pp, groups = 32 / LPp;
-  const int used = groups * LPp;  // slots in use, a multiple of 4
   const int rj = lane / LPp, l = (lane % LPp) / Pp, pt = (lane % LPp) % Pp;
-  const bool slot_ok = lane < used && pt < pb.P;
+  const bool slot_ok = lane < groups * LPp && pt < pb.P;
   const int g = lane >> 2, t = lane & 3;
   const int64_t G = pb.N * pb.Lq * pb.M;
+  const uint32_t last_group = static_cast<uint32_t>(G - 1);  // G < 2^31 (dots_mma_ok)
+  // B holds four groups: tiles 0-7 (slots 0-15) those from the task's first,
+  // tiles 8-15 those from the group of slot 16 (either way the tiles' groups
+  // are among the four). Bit k of `writes`: tile k's group is this lane's t
+  // of its four, so this lane holds its corner g's dot.
+  const int first_hi = 16 / LPp;
+  uint32_t writes = 0;
+#pragma unroll
+  for (int k = 0; k < kDotsTiles; ++k) {
+    writes |= (2 * k / LPp - (k < 8 ? 0 : first_hi) == t ? 1u : 0u) << k;
+  }
   // Byte addresses: lane t's 16 bytes of a row (channels 8 t .. 8 t + 7 of
   // every 32), rows of D elements.
-  const int row_bytes = static_cast<int>(pb.D * sizeof(T));
+  const unsigned row_bytes = static_cast<unsigned>(pb.D * sizeof(T));
   const char* vlane = static_cast<const char*>(p.value) + 16 * t;
   const char* glane = static_cast<const char*>(p.grad_out) + 16 * t;
-  uint32_t* rows_u = reinterpret_cast<uint32_t*>(rows_tab[warp]);
-  float* dots_f = reinterpret_cast<float*>(dots_tab[warp]);
+  const uint32_t* rows_u = reinterpret_cast<const uint32_t*>(rows_tab[warp]) + g;
+  float* dots_f = reinterpret_cast<float*>(dots_tab[warp]) + g;
 
   for (int64_t task = int64_t(blockIdx.x) * kDotsWarps + warp; task < tasks;
        task += int64_t(gridDim.x) * kDotsWarps) {
     const int64_t group = task * groups + rj;
     const bool live = slot_ok && group < G;
-    // group < 2^31 (dots_mma_ok): 32-bit divisions by multiplication.
     const uint32_t g32 = static_cast<uint32_t>(min(group, G - 1));
     const uint32_t n = by_lqm(g32), m = g32 - by_m(g32) * static_cast<uint32_t>(pb.M);
     const int64_t nm = int64_t(n) * pb.M + m;
@@ -407,31 +420,49 @@ __global__ void __launch_bounds__(kThreads)
     }
     rows_tab[warp][lane] = rows;
     __syncwarp();
-    // Tiles of 4 slots; the conditions are the same on every lane. Row g of
-    // tile sb is table entry 4 sb + g (slot sb + g / 4, corner g % 4), row
-    // g + 8 entry 4 sb + 8 + g.
-    uint32_t tg = static_cast<uint32_t>(task * groups);  // the tile's group
-    for (int sb = 0, next = LPp; sb < used; sb += 4) {
-      if (sb == next) {
-        ++tg;
-        next += LPp;
+    // This lane's B words of channel pass `off`: group (lane / 8) of the four
+    // from `first` (past the last group: the last one's row, its dots
+    // unused), half (lane / 4) % 2.
+    const uint32_t task_group = static_cast<uint32_t>(task) * groups;
+    auto b_words = [&](int first, unsigned off) {
+      const uint32_t grp = min(task_group + first + lane / 8, last_group);
+      const uint4 w = load16(glane + uint64_t(grp) * row_bytes + off);
+      return (lane & 4) ? make_uint2(w.y, w.w) : make_uint2(w.x, w.z);
+    };
+    // Tile k's A: its corner g's 16 bytes of channel pass `off`. Tiles past
+    // the slots in use read value row 0 and go unused.
+    auto tile_a = [&](int k, unsigned off) {
+      return load16(vlane + uint64_t(rows_u[8 * k]) * row_bytes + off);
+    };
+    auto put_dot = [&](int k, const float (&c)[4]) {
+      if ((writes >> k) & 1u) dots_f[8 * k] = c[0] + c[3];
+    };
+    if constexpr (kOnePass) {
+      // Eight tiles' loads in flight at once, then their products.
+#pragma unroll
+      for (int k0 = 0; k0 < kDotsTiles; k0 += 8) {
+        const uint2 b = b_words(k0 == 0 ? 0 : first_hi, 0);
+        uint4 a[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) a[k] = tile_a(k0 + k, 0);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          float c[4] = {0.f, 0.f, 0.f, 0.f};
+          mma_16816<T>(c, {a[k].x, a[k].y, a[k].z, a[k].w}, b.x, b.y);
+          put_dot(k0 + k, c);
+        }
       }
-      if (tg >= G) break;
-      const char* pa = vlane + uint64_t(rows_u[4 * sb + g]) * row_bytes;
-      const char* pr = vlane + uint64_t(rows_u[4 * sb + 8 + g]) * row_bytes;
-      const char* pg = glane + uint64_t(tg) * row_bytes;
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
+    } else {
 #pragma unroll 1
-      for (int off = 0; off < row_bytes; off += 64) {  // 32 channels a pass
-        const uint4 va = load16(pa + off);
-        const uint4 vb = load16(pr + off);
-        const uint4 go = g == 0 ? load16(pg + off) : make_uint4(0, 0, 0, 0);
-        mma_16816<T>(c, {va.x, vb.x, va.y, vb.y}, go.x, go.y);
-        mma_16816<T>(c, {va.z, vb.z, va.w, vb.w}, go.z, go.w);
-      }
-      if (t == 0) {
-        dots_f[4 * sb + g] = c[0];
-        dots_f[4 * sb + 8 + g] = c[2];
+      for (int k = 0; k < kDotsTiles; ++k) {
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+        for (unsigned off = 0; off < row_bytes; off += 64) {  // 32 channels a pass
+          const uint2 b = b_words(k < 8 ? 0 : first_hi, off);
+          const uint4 a = tile_a(k, off);
+          mma_16816<T>(c, {a.x, a.y, a.z, a.w}, b.x, b.y);
+        }
+        put_dot(k, c);
       }
     }
     __syncwarp();
@@ -469,11 +500,13 @@ struct DotsLaunch {
       if (tasks == 0) return cudaSuccess;
       DeviceLimits d;
       if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
-      // Up to 8 blocks an SM (64 warps), the rest of the tasks in turn.
-      const int64_t blocks = std::min<int64_t>((tasks + kDotsWarps - 1) / kDotsWarps, int64_t(d.sms) * 8);
+      // The blocks that fit at once (4 an SM: __launch_bounds__), the rest of
+      // the tasks in turn.
+      const int64_t blocks = std::min<int64_t>((tasks + kDotsWarps - 1) / kDotsWarps, int64_t(d.sms) * 4);
       const FastDiv by_lqm(static_cast<uint32_t>(pb.Lq * pb.M)), by_m(static_cast<uint32_t>(pb.M));
-      dots_mma_kernel<T, LT><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, by_lqm, by_m,
-                                                                                 tasks);
+      const unsigned grid = static_cast<unsigned>(blocks);
+      pb.D == 32 ? dots_mma_kernel<T, LT, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks)
+                 : dots_mma_kernel<T, LT, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks);
       return cudaGetLastError();
     } else {
       return Launch<T, LT, VEC>::run(p, stream);
