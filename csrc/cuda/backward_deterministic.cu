@@ -35,12 +35,43 @@ struct GatherParams {
   const DeterministicBuffers* buf;
 };
 
+// First position in [lo, hi) of `sorted` whose key is >= c, hi if none, by
+// the whole warp: 32 probes a step (every lane gets the answer). The
+// caller's invariant: keys before lo are < c, keys from hi on >= c.
+template <typename K>
+__device__ int64_t warp_lower_bound(const K* __restrict__ sorted, int64_t lo, int64_t hi, int64_t c,
+                                    int lane) {
+  while (hi - lo > 32) {
+    const int64_t step = (hi - lo + 31) / 32;
+    const int64_t pos = lo + lane * step;
+    const unsigned below = __ballot_sync(0xffffffffu, pos < hi && int64_t(sorted[pos]) < c);
+    const int k = __popc(below);  // probes below c: a prefix of the lanes (keys ascend)
+    if (k == 0) return lo;
+    hi = min(hi, lo + k * step);
+    lo += (k - 1) * step + 1;
+  }
+  const unsigned below = __ballot_sync(0xffffffffu, lo + lane < hi && int64_t(sorted[lo + lane]) < c);
+  return lo + __popc(below);
+}
+
+// start[c] = first sorted position whose key is >= c, for c in [0, cells].
+// A block's cells are c0 .. c0 + blockDim - 1: warps 0 and 1 bound their
+// positions by two warp searches, then each thread binary-searches that
+// range only (a few positions a cell, not the whole array).
 template <typename K>
 __global__ void cell_starts_kernel(const K* __restrict__ sorted, int64_t items, int64_t cells,
                                    int64_t* __restrict__ start) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  __shared__ int64_t range[2];
+  const int64_t c0 = int64_t(blockIdx.x) * blockDim.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp < 2) {
+    const int64_t pos = warp_lower_bound(sorted, 0, items, c0 + warp * blockDim.x, lane);
+    if (lane == 0) range[warp] = pos;
+  }
+  __syncthreads();
+  const int64_t c = c0 + threadIdx.x;
   if (c > cells) return;
-  int64_t lo = 0, hi = items;  // first position whose key >= c
+  int64_t lo = range[0], hi = range[1];  // first position whose key >= c
   while (lo < hi) {
     const int64_t mid = lo + (hi - lo) / 2;
     if (int64_t(sorted[mid]) < c) lo = mid + 1; else hi = mid;
@@ -552,24 +583,36 @@ struct GatherLaunch {
   }
 };
 
+// The sort in place: keys / sorted_keys and ids / sorted_ids are its double
+// buffers (no copies of them in its temp); where the result lands is known
+// on the host once the call returns, and b then points at it (sorted_*), and
+// rows at the dead keys buffer.
 template <typename K>
-cudaError_t sort_pairs(void* temp, size_t& temp_bytes, const DeterministicBuffers& b,
-                       cudaStream_t stream) {
-  return cub::DeviceRadixSort::SortPairs(
-      temp, temp_bytes, static_cast<const K*>(b.keys), static_cast<K*>(b.sorted_keys),
-      static_cast<const K*>(b.ids), static_cast<K*>(b.sorted_ids), b.items, 0, b.end_bit, stream);
+cudaError_t sort_pairs(void* temp, size_t& temp_bytes, DeterministicBuffers& b, cudaStream_t stream) {
+  cub::DoubleBuffer<K> keys(static_cast<K*>(b.keys), static_cast<K*>(b.sorted_keys));
+  cub::DoubleBuffer<K> ids(static_cast<K*>(b.ids), static_cast<K*>(b.sorted_ids));
+  const cudaError_t err =
+      cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, ids, b.items, 0, b.end_bit, stream);
+  if (temp != nullptr) {
+    b.sorted_keys = keys.Current();
+    b.sorted_ids = ids.Current();
+    b.rows = keys.Alternate();
+  }
+  return err;
 }
 
 }  // namespace
 
 cudaError_t deterministic_temp_bytes(const DeterministicBuffers& b, size_t& bytes) {
   bytes = 0;
-  return b.wide ? sort_pairs<uint64_t>(nullptr, bytes, b, nullptr)
-                : sort_pairs<unsigned>(nullptr, bytes, b, nullptr);
+  DeterministicBuffers sizes = b;
+  return b.wide ? sort_pairs<uint64_t>(nullptr, bytes, sizes, nullptr)
+                : sort_pairs<unsigned>(nullptr, bytes, sizes, nullptr);
 }
 
-cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,
+cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& buffers,
                                      cudaStream_t stream) {
+  DeterministicBuffers b = buffers;
   size_t bytes = b.temp_bytes;
   cudaError_t err = b.wide ? sort_pairs<uint64_t>(b.temp, bytes, b, stream)
                            : sort_pairs<unsigned>(b.temp, bytes, b, stream);

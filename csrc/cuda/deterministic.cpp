@@ -24,8 +24,9 @@ int bits_for(int64_t x) {
 }  // namespace
 
 // grad_value by sort and gather (backward_deterministic.cu): bitwise the same
-// on every run. Scratch: per sample 4 keys / ids (4 bytes each, 8 when wide),
-// 4 weights (16 bytes; 32 for fp64) and the sort's temp; 8 bytes per cell.
+// on every run. Scratch: per sample 4 keys / ids (4 bytes each, 8 when wide;
+// the sort's double buffers, its temp is small) and 4 weights (16 bytes; 32
+// for fp64); 8 bytes per cell.
 at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaStream_t stream) {
   const auto& pb = in.pb;
   p.cell_stride = 2 * pb.S + 2 * pb.L;
@@ -54,7 +55,6 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   b.temp = temp.data_ptr();
   at::Tensor starts = at::empty({b.cells + 1}, in.value.options().dtype(at::kLong));
   b.cell_starts = starts.data_ptr();
-  b.rows = keys.data_ptr();  // the unsorted keys are dead once sorted
   const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor weights = at::empty({4 * b.items}, in.value.options().dtype(acc_type));
   b.weights = weights.data_ptr();

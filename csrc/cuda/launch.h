@@ -56,14 +56,15 @@ struct DeterministicBuffers {
   int64_t cells = 0;        // N * M * cell_stride; also the key of samples that touch nothing
   int end_bit = 0;          // bits the keys use (cells < 2^end_bit)
   bool wide = false;        // 64-bit keys and ids
-  const void* keys = nullptr;
-  const void* ids = nullptr;
+  // The sort's double buffers (overwritten): the result lands in either.
+  void* keys = nullptr;
+  void* ids = nullptr;
   void* sorted_keys = nullptr;
   void* sorted_ids = nullptr;
   void* temp = nullptr;     // the sort's scratch, deterministic_temp_bytes() long
   size_t temp_bytes = 0;
   void* cell_starts = nullptr;  // cells + 1 int64
-  void* rows = nullptr;         // items, like ids (may alias keys: free after the sort)
+  void* rows = nullptr;         // items, like ids: the keys buffer the sort leaves dead
   void* weights = nullptr;      // 4 * items in the accumulation type
   void* grad_value = nullptr;   // (N, S, M, D) in the value's dtype, written completely
   int vec = 1;              // elements per vector access of the gather (16 / sizeof(T) or 1)
