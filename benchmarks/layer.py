@@ -9,7 +9,10 @@ Layer: one multi-scale deformable attention layer of d_model 256 (8 heads,
 4 points, the workload's levels), forward + backward of the layer's output
 against a random gradient, queries and flattened features requiring grad.
 Implementations:
-  ours          ms_deform_attn.nn.MSDeformAttn (backend "auto")
+  ours          ms_deform_attn.nn.MSDeformAttn (backend "auto"): locations and
+                softmax inside the operator (ms_deform_attn_fused)
+  unfused       the same module with fused=False: locations and softmax as
+                separate PyTorch ops before ms_deform_attn
   pytorch       the same module on the grid_sample reference
   transformers  transformers' DeformableDetrMultiscaleDeformableAttention on its own
                 path, the same weights
@@ -19,7 +22,7 @@ the host's launch gaps count; wall clock on the CPU), the bytes the layer
 keeps for its backward (saved tensors, counted with
 torch.autograd.graph.saved_tensors_hooks), and on a GPU the peak memory of
 a step of --encoder-layers stacked layers (residual connections). On a GPU,
-ours and swapped are also timed as CUDA-graph replays (fwd_graph_us,
+ours, unfused and swapped are also timed as CUDA-graph replays (fwd_graph_us,
 fwdbwd_graph_us: GPU time alone; the other two read the level shapes on the
 host and cannot be captured).
 
@@ -48,7 +51,7 @@ from ms_deform_attn.nn import MSDeformAttn
 
 from .timing import time_cpu, time_cuda
 
-IMPLS = ("ours", "pytorch", "transformers", "swapped")
+IMPLS = ("ours", "unfused", "pytorch", "transformers", "swapped")
 DTYPES = ("fp32", "bf16")
 
 
@@ -63,7 +66,7 @@ def _time(device: str, step: Callable[[], object], target_ms: float, graph: bool
 
 # Layers a CUDA graph can capture: no host reads of device tensors (the
 # grid_sample reference and transformers' own path read the level shapes).
-GRAPHABLE = ("ours", "swapped")
+GRAPHABLE = ("ours", "unfused", "swapped")
 
 
 def _autocast(device: str, dtype: str, cache: bool = True):
@@ -90,6 +93,9 @@ def make_layer(impl: str, wl: W.Workload, d_model: int, device: str) -> torch.nn
     n_levels = len(wl.levels)
     base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto")
     if impl == "ours":
+        return base.to(device)
+    if impl == "unfused":
+        base.fused = False
         return base.to(device)
     if impl == "pytorch":
         mod = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="pytorch")
@@ -179,6 +185,8 @@ def bench_layer(args) -> List[Dict]:
                     # of the inputs and weights as fresh tensors (no .grad
                     # accumulation inside the graph).
                     leaves = [query, flat] + [p for p in layer.parameters() if p.requires_grad]
+                    for t in leaves:
+                        t.grad = None
                     g_forward = functools.partial(forward, cache=False)
 
                     def g_step(g_forward=g_forward, leaves=leaves):

@@ -104,21 +104,27 @@ def time_cuda(step: Callable[[int], object], n_sets: int, use_graph: bool,
     are timed between CUDA events (launch overhead included where the GPU
     outruns the host: the reference reads shapes on the host and cannot be
     captured)."""
-    for i in range(n_sets):  # warm-up (allocator, module load)
-        step(i)
-    torch.cuda.synchronize()
     if use_graph:
+        # Warm-up on the capture's stream (allocator, module load, and the
+        # autograd nodes of leaves, which remember the stream they were made
+        # on: made on another stream they break the capture).
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
-            step(0)
+            for i in range(n_sets):
+                step(i)
+            stream.synchronize()
             with torch.cuda.graph(graph, stream=stream):
                 for i in range(n_sets):
                     step(i)
         torch.cuda.synchronize()
         run, method = graph.replay, "cuda-graph"
     else:
+        for i in range(n_sets):  # warm-up (allocator, module load)
+            step(i)
+        torch.cuda.synchronize()
+
         def run():
             for i in range(n_sets):
                 step(i)

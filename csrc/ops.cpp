@@ -35,6 +35,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(
                  attention_weights, deterministic);
 }
 
+at::Tensor call_fused_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                              const at::Tensor& level_start_index,
+                              const at::Tensor& reference_points,
+                              const at::Tensor& sampling_offsets,
+                              const at::Tensor& attention_logits, c10::string_view backend,
+                              std::optional<bool> deterministic,
+                              at::OptionalIntArrayRef spatial_shapes_list) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn_fused", "")
+                       .typed<decltype(call_fused_forward)>();
+  return op.call(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                 attention_logits, backend, deterministic, spatial_shapes_list);
+}
+
 namespace {
 
 // The queries validate the inputs (no copies) and ask the backend table.
@@ -64,6 +78,11 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "ms_deform_attn(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, str backend=\"auto\", "
       "bool? deterministic=None, int[]? spatial_shapes_list=None) -> Tensor");
+  // The layer's raw outputs in: locations and softmax formed inside (fused.h).
+  m.def(
+      "ms_deform_attn_fused(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
+      "Tensor reference_points, Tensor sampling_offsets, Tensor attention_logits, "
+      "str backend=\"auto\", bool? deterministic=None, int[]? spatial_shapes_list=None) -> Tensor");
   m.def(
       "_ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
@@ -94,6 +113,18 @@ at::Tensor ms_deform_attn(const at::Tensor& value, const at::Tensor& spatial_sha
                           at::OptionalIntArrayRef spatial_shapes_list) {
   return msda::call_forward(value, spatial_shapes, level_start_index, sampling_locations,
                             attention_weights, backend, deterministic, spatial_shapes_list);
+}
+
+at::Tensor ms_deform_attn_fused(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                const at::Tensor& level_start_index,
+                                const at::Tensor& reference_points,
+                                const at::Tensor& sampling_offsets,
+                                const at::Tensor& attention_logits, const std::string& backend,
+                                std::optional<bool> deterministic,
+                                at::OptionalIntArrayRef spatial_shapes_list) {
+  return msda::call_fused_forward(value, spatial_shapes, level_start_index, reference_points,
+                                  sampling_offsets, attention_logits, backend, deterministic,
+                                  spatial_shapes_list);
 }
 
 std::vector<std::string> available_backends(c10::Device device) {

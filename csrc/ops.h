@@ -18,6 +18,14 @@ at::Tensor call_forward(const at::Tensor& value, const at::Tensor& spatial_shape
                         std::optional<bool> deterministic,
                         at::OptionalIntArrayRef spatial_shapes_list);
 
+at::Tensor call_fused_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                              const at::Tensor& level_start_index,
+                              const at::Tensor& reference_points,
+                              const at::Tensor& sampling_offsets,
+                              const at::Tensor& attention_logits, c10::string_view backend,
+                              std::optional<bool> deterministic,
+                              at::OptionalIntArrayRef spatial_shapes_list);
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,

@@ -70,6 +70,45 @@ def ms_deform_attn(
     )
 
 
+def ms_deform_attn_fused(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    level_start_index: torch.Tensor,
+    reference_points: torch.Tensor,
+    sampling_offsets: torch.Tensor,
+    attention_logits: torch.Tensor,
+    *,
+    backend: str = "auto",
+    deterministic: Optional[bool] = None,
+    spatial_shapes_list: Optional[Sequence] = None,
+) -> torch.Tensor:
+    """ms_deform_attn from the attention layer's raw outputs: the sampling
+    locations and the softmax are formed inside the operator in float32, and
+    autograd keeps these inputs (16-bit under autocast, as the linear layers
+    made them) instead of the float32 locations and weights of size
+    N x Lq x M x L x P.
+
+    Args:
+        value, spatial_shapes, level_start_index: as for ms_deform_attn.
+        reference_points: (N, Lq, L, 2) normalised points (x, y), location =
+            point + offset / (W, H) of the level; or (N, Lq, L, 4) boxes
+            (cx, cy, w, h), location = (cx, cy) + offset / P * (w, h) * 0.5
+            (Deformable DETR's two forms).
+        sampling_offsets: (N, Lq, M, L, P, 2).
+        attention_logits: (N, Lq, M, L * P) or (N, Lq, M, L, P); the weights
+            are their softmax over the L * P of each (n, q, m).
+        backend, deterministic, spatial_shapes_list: as for ms_deform_attn.
+
+    Returns:
+        (N, Lq, M * D) in value's dtype; gradients come back in each input's
+        dtype.
+    """
+    return _lib.ms_deform_attn_fused(
+        value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+        attention_logits, backend, deterministic, _flat_shapes(spatial_shapes_list),
+    )
+
+
 def _flat_shapes(shapes: Optional[Sequence]) -> Optional[List[int]]:
     """[(H, W), ...] (or already flat [H, W, ...]) as the flat int list the
     operator's schema takes."""
@@ -135,3 +174,13 @@ def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampli
         torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
         torch.empty_like(attention_weights, memory_format=torch.contiguous_format),
     )
+
+
+@torch.library.register_fake("ms_deform_attn::ms_deform_attn_fused")
+def _fused_fake(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                attention_logits, backend="auto", deterministic=None, spatial_shapes_list=None):
+    torch._check(value.dim() == 4, lambda: "ms_deform_attn_fused: value must have 4 dimensions")
+    torch._check(reference_points.dim() == 4,
+                 lambda: "ms_deform_attn_fused: reference_points must have 4 dimensions")
+    n, _, m, d = value.shape
+    return value.new_empty((n, reference_points.shape[1], m * d))

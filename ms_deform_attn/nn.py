@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._ops import ms_deform_attn
+from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .reference import ms_deform_attn_pytorch
 
 
@@ -29,10 +29,15 @@ class MSDeformAttn(nn.Module):
         n_points: sampling points per head and level.
         backend: operator backend ("auto", a name from available_backends(),
             or "pytorch" for the grid_sample reference).
+        fused: form the sampling locations and the softmax inside the
+            operator (ms_deform_attn_fused; default), which then keeps the
+            offsets and logits for the backward instead of float32 locations
+            and weights; False runs them as separate PyTorch ops before
+            ms_deform_attn, as Deformable DETR does.
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
-                 backend: str = "auto"):
+                 backend: str = "auto", fused: bool = True):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}")
@@ -46,6 +51,7 @@ class MSDeformAttn(nn.Module):
         self.n_heads = n_heads
         self.n_points = n_points
         self.backend = backend
+        self.fused = fused
         self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
         self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
         self.value_proj = nn.Linear(d_model, d_model)
@@ -98,21 +104,26 @@ class MSDeformAttn(nn.Module):
         value = value.view(n, s, self.n_heads, self.d_model // self.n_heads)
         offsets = self.sampling_offsets(query).view(n, lq, self.n_heads, self.n_levels,
                                                     self.n_points, 2)
-        weights = self.attention_weights(query).view(n, lq, self.n_heads,
-                                                     self.n_levels * self.n_points)
-        weights = F.softmax(weights, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
+        logits = self.attention_weights(query).view(n, lq, self.n_heads,
+                                                    self.n_levels * self.n_points)
+        if reference_points.shape[-1] not in (2, 4):
+            raise ValueError("reference_points.shape[-1] must be 2 or 4, got "
+                             f"{reference_points.shape[-1]}")
+        if self.fused and self.backend != "pytorch":
+            output = ms_deform_attn_fused(value, input_spatial_shapes, input_level_start_index,
+                                          reference_points, offsets, logits, backend=self.backend,
+                                          spatial_shapes_list=input_spatial_shapes_list)
+            return self.output_proj(output)
+        weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
         if reference_points.shape[-1] == 2:
             # Offsets are in pixels of each level: divide by (W, H).
             normalizer = torch.stack([input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]], -1)
             locations = (reference_points[:, :, None, :, None, :]
                          + offsets / normalizer[None, None, None, :, None, :])
-        elif reference_points.shape[-1] == 4:
+        else:
             # Offsets are in units of half the box size, over n_points.
             locations = (reference_points[:, :, None, :, None, :2]
                          + offsets / self.n_points * reference_points[:, :, None, :, None, 2:] * 0.5)
-        else:
-            raise ValueError("reference_points.shape[-1] must be 2 or 4, got "
-                             f"{reference_points.shape[-1]}")
         if self.backend == "pytorch":
             output = ms_deform_attn_pytorch(value, input_spatial_shapes, input_level_start_index,
                                             locations, weights)

@@ -194,11 +194,14 @@ def test_compile_module_and_model_fullgraph(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_export_has_one_op_node(device, backend):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_export_has_one_op_node(device, backend, fused):
     model = TinyEncoder(backend=backend).to(device).eval()
+    for layer in model.layers:
+        layer.fused = fused
     ep = torch.export.export(model, encoder_inputs(device))
-    nodes = [n for n in ep.graph.nodes
-             if n.op == "call_function" and n.target == torch.ops.ms_deform_attn.ms_deform_attn.default]
+    op = torch.ops.ms_deform_attn.ms_deform_attn_fused if fused else torch.ops.ms_deform_attn.ms_deform_attn
+    nodes = [n for n in ep.graph.nodes if n.op == "call_function" and n.target == op.default]
     assert len(nodes) == 2  # one per layer
     inputs = encoder_inputs(device)
     torch.testing.assert_close(ep.module()(*inputs), model(*inputs))

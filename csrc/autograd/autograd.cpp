@@ -1,12 +1,14 @@
-// Autograd of the operator, registered on the Autograd dispatch key, so that
+// Autograd of the operators, registered on the Autograd dispatch key, so that
 // Python, LibTorch programs and torch.compile / AOTInductor share one
 // backward: the forward saves its five inputs (all the gradients need), the
 // backward calls _ms_deform_attn_backward. That op's own Autograd kernel
-// refuses double backward with a clear error.
+// refuses double backward with a clear error. The fused operator's saves
+// its raw inputs instead of the locations and weights.
 #include <ATen/Context.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "../fused.h"
 #include "../ops.h"
 
 namespace msda {
@@ -44,6 +46,46 @@ class MSDAFunction : public torch::autograd::Function<MSDAFunction> {
   }
 };
 
+// The fused operator keeps its raw inputs (reference points, offsets and
+// logits as the layer made them, 16-bit under autocast) and forms the fp32
+// locations and weights again for the backward, which lives only as long
+// as the backward does.
+class FusedFunction : public torch::autograd::Function<FusedFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& value,
+                            const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                            const at::Tensor& reference_points,
+                            const at::Tensor& sampling_offsets,
+                            const at::Tensor& attention_logits, c10::string_view backend,
+                            std::optional<bool> deterministic,
+                            at::OptionalIntArrayRef spatial_shapes_list) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor out = call_fused_forward(value, spatial_shapes, level_start_index,
+                                        reference_points, sampling_offsets, attention_logits,
+                                        backend, deterministic, spatial_shapes_list);
+    ctx->save_for_backward({value, spatial_shapes, level_start_index, reference_points,
+                            sampling_offsets, attention_logits});
+    ctx->saved_data["deterministic"] = deterministic.has_value() ? int64_t(*deterministic) : -1;
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const int64_t det = ctx->saved_data["deterministic"].toInt();
+    const bool deterministic = det < 0 ? at::globalContext().deterministicAlgorithms() : det == 1;
+    const at::Tensor &value = saved[0], &shapes = saved[1], &start = saved[2], &ref = saved[3],
+                     &off = saved[4], &logits = saved[5];
+    const FusedSizes s = check_fused_inputs(value, shapes, ref, off, logits);
+    auto [loc, weights] = fused_locations_and_weights(shapes, ref, off, logits, s);
+    auto [grad_value, grad_loc, grad_weights] =
+        call_backward(grads[0], value, shapes, start, loc, weights, deterministic);
+    auto [grad_ref, grad_off, grad_logits] = fused_input_grads(
+        shapes, ref, off, logits, weights, grad_loc, grad_weights, s, ctx->needs_input_grad(3));
+    return {grad_value, at::Tensor(), at::Tensor(), grad_ref, grad_off, grad_logits,
+            at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 class MSDABackwardFunction : public torch::autograd::Function<MSDABackwardFunction> {
  public:
   static variable_list forward(AutogradContext*, const at::Tensor& grad_output,
@@ -73,6 +115,16 @@ at::Tensor forward_autograd(const at::Tensor& value, const at::Tensor& spatial_s
                              attention_weights, backend, deterministic, spatial_shapes_list);
 }
 
+at::Tensor fused_autograd(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                          const at::Tensor& level_start_index, const at::Tensor& reference_points,
+                          const at::Tensor& sampling_offsets, const at::Tensor& attention_logits,
+                          c10::string_view backend, std::optional<bool> deterministic,
+                          at::OptionalIntArrayRef spatial_shapes_list) {
+  return FusedFunction::apply(value, spatial_shapes, level_start_index, reference_points,
+                              sampling_offsets, attention_logits, backend, deterministic,
+                              spatial_shapes_list);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_autograd(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
@@ -87,5 +139,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_autograd(
 
 TORCH_LIBRARY_IMPL(ms_deform_attn, Autograd, m) {
   m.impl("ms_deform_attn", &msda::forward_autograd);
+  m.impl("ms_deform_attn_fused", &msda::fused_autograd);
   m.impl("_ms_deform_attn_backward", &msda::backward_autograd);
 }

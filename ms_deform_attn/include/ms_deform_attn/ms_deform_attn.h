@@ -54,6 +54,27 @@ MS_DEFORM_ATTN_API at::Tensor ms_deform_attn(
     std::optional<bool> deterministic = std::nullopt,
     at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
 
+// The same, from the attention layer's raw outputs: the sampling locations
+// and the softmax are formed inside the operator in fp32, and autograd keeps
+// these inputs instead of the N x Lq x M x L x P locations and weights.
+//
+//   reference_points    (N, Lq, L, 2) normalised points (x, y): location =
+//                       point + offset / (W, H) of the level; or (N, Lq, L, 4)
+//                       boxes (cx, cy, w, h): location = (cx, cy) + offset / P
+//                       * (w, h) * 0.5 (Deformable DETR's two forms)
+//   sampling_offsets    (N, Lq, M, L, P, 2)
+//   attention_logits    (N, Lq, M, L * P) or (N, Lq, M, L, P): weights =
+//                       their softmax over the L * P of each (n, q, m)
+// Any floating dtypes (16-bit ones as a linear layer makes them under
+// autocast); the other arguments as above. Gradients come back in each
+// input's dtype.
+MS_DEFORM_ATTN_API at::Tensor ms_deform_attn_fused(
+    const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& reference_points,
+    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits,
+    const std::string& backend = "auto", std::optional<bool> deterministic = std::nullopt,
+    at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
+
 // Backends that can run on `device` (its kind and architecture, this build),
 // in the order "auto" prefers them.
 MS_DEFORM_ATTN_API std::vector<std::string> available_backends(c10::Device device);

@@ -1,0 +1,183 @@
+"""ms_deform_attn_fused: the location arithmetic and the softmax inside the
+operator. Checked against the same arithmetic composed in PyTorch around
+the float64 reference, and against the unfused operator it calls."""
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from ms_deform_attn.reference import ms_deform_attn_pytorch
+from ms_deform_attn.workloads import level_tensors
+from helpers import TOL, device_backends, host_shapes, rel_err, skip_unless_runs
+
+LEVELS = [(6, 7), (3, 4)]
+
+
+def fused_inputs(device, dtype, boxes, n=2, lq=9, m=4, d=16, p=3, logits_5d=False, seed=0,
+                 coord_dtype=None):
+    """value in `dtype`; offsets and logits in coord_dtype (default: dtype,
+    as a linear layer makes them), reference points in float32 (float64 for
+    float64 values)."""
+    g = torch.Generator().manual_seed(seed)
+    coord_dtype = coord_dtype or dtype
+    ref_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    shapes, start = level_tensors(LEVELS, device)
+    s = sum(h * w for h, w in LEVELS)
+    L = len(LEVELS)
+    value = torch.randn(n, s, m, d, generator=g, dtype=torch.float64)
+    ref = torch.rand(n, lq, L, 4 if boxes else 2, generator=g, dtype=torch.float64)
+    if boxes:
+        ref[..., 2:] = ref[..., 2:] * 0.5 + 0.05
+    off = torch.randn(n, lq, m, L, p, 2, generator=g, dtype=torch.float64) * 2
+    logits = torch.randn(n, lq, m, L, p, generator=g, dtype=torch.float64)
+    if not logits_5d:
+        logits = logits.reshape(n, lq, m, L * p)
+    return (value.to(device, dtype), shapes, start, ref.to(device, ref_dtype),
+            off.to(device, coord_dtype), logits.to(device, coord_dtype))
+
+
+def composed(value, shapes, start, ref, off, logits, op=None, **kw):
+    """The arithmetic of Deformable DETR's layer in the inputs' own dtypes
+    promoted as the fused operator does (float32, float64 for float64
+    value), then `op` (default: the float64 grid_sample reference)."""
+    coord = torch.float64 if value.dtype == torch.float64 else torch.float32
+    n, lq, m, L, p, _ = off.shape
+    off = off.to(coord)
+    weights = torch.softmax(logits.to(coord).reshape(n, lq, m, L * p), -1).view(n, lq, m, L, p)
+    if ref.shape[-1] == 4:
+        loc = (ref[:, :, None, :, None, :2].to(coord)
+               + off / p * ref[:, :, None, :, None, 2:].to(coord) * 0.5)
+    else:
+        wh = shapes.flip(-1).to(coord)
+        loc = ref[:, :, None, :, None, :].to(coord) + off / wh[None, None, None, :, None, :]
+    if op is None:
+        return ms_deform_attn_pytorch(value.double(), shapes, start, loc.double(), weights.double())
+    return op(value, shapes, start, loc, weights, **kw)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_fused_matches_composed_reference(device, backend, boxes, dtype):
+    inputs = fused_inputs(device, dtype, boxes)
+    value, shapes, start, ref, off, logits = inputs
+    skip_unless_runs(backend, value, shapes, start,
+                     torch.zeros(*off.shape, device=device),
+                     torch.zeros(*off.shape[:-1], device=device), host_shapes(shapes))
+    out = msda.ms_deform_attn_fused(*inputs, backend=backend, spatial_shapes_list=LEVELS)
+    assert out.dtype == dtype and out.shape == (2, 9, 4 * 16)
+    expected = composed(*inputs)
+    assert rel_err(out, expected) <= TOL[dtype]
+    # The same composition around the unfused operator: equal up to the
+    # order of the backward's sums.
+    leaves = [t.detach().requires_grad_() for t in (value, ref, off, logits)]
+    fused_out = msda.ms_deform_attn_fused(leaves[0], shapes, start, *leaves[1:], backend=backend,
+                                          spatial_shapes_list=LEVELS)
+    unfused_out = composed(leaves[0], shapes, start, *leaves[1:], op=msda.ms_deform_attn,
+                           backend=backend, spatial_shapes_list=LEVELS)
+    torch.testing.assert_close(fused_out, unfused_out, rtol=0, atol=0)
+    grad = torch.randn_like(fused_out)
+    got = torch.autograd.grad(fused_out, leaves, grad)
+    want = torch.autograd.grad(unfused_out, leaves, grad)
+    for name, a, b in zip(["value", "reference_points", "sampling_offsets", "attention_logits"],
+                          got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        # grad_value: the atomics of a 16-bit value may round a sum either way.
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 4e-3)
+        assert rel_err(a, b) <= tol, name
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
+def test_fused_gradcheck(device, backend, boxes):
+    value, shapes, start, ref, off, logits = fused_inputs(device, torch.float64, boxes, n=1, lq=3,
+                                                          m=2, d=4, p=2, logits_5d=True)
+    skip_unless_runs(backend, value, shapes, start, torch.zeros(*off.shape, device=device,
+                                                                dtype=torch.float64),
+                     torch.zeros(*off.shape[:-1], device=device, dtype=torch.float64),
+                     host_shapes(shapes))
+    leaves = [t.requires_grad_() for t in (value, ref, off, logits)]
+
+    def f(v, r, o, lg):
+        return msda.ms_deform_attn_fused(v, shapes, start, r, o, lg, backend=backend,
+                                         spatial_shapes_list=LEVELS)
+
+    assert torch.autograd.gradcheck(f, leaves)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_fused_opcheck(device, backend):
+    value, shapes, start, ref, off, logits = fused_inputs(device, torch.float32, False)
+    skip_unless_runs(backend, value, shapes, start, torch.zeros(*off.shape, device=device),
+                     torch.zeros(*off.shape[:-1], device=device), host_shapes(shapes))
+    for t in (value, ref, off, logits):
+        t.requires_grad_()
+    torch.library.opcheck(torch.ops.ms_deform_attn.ms_deform_attn_fused.default,
+                          (value, shapes, start, ref, off, logits, backend, None,
+                           [x for hw in LEVELS for x in hw]))
+
+
+def test_fused_keeps_the_raw_inputs_for_the_backward():
+    """Under autocast the layer's offsets and logits are bf16; the fused
+    operator keeps them, not float32 locations (N Lq M L P 2) or weights."""
+    value, shapes, start, ref, off, logits = fused_inputs("cpu", torch.bfloat16, False)
+    leaves = [t.requires_grad_() for t in (value, off, logits)]
+    saved = []
+
+    def pack(t):
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = msda.ms_deform_attn_fused(value, shapes, start, ref, off, logits)
+    assert (tuple(off.shape), torch.bfloat16) in saved
+    assert (tuple(logits.shape), torch.bfloat16) in saved
+    sizes = (tuple(off.shape), tuple(off.shape[:-1]))  # locations, weights
+    assert not any(dt == torch.float32 and shape in sizes for shape, dt in saved), saved
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == t.dtype for t in leaves)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_fused_deterministic_is_bitwise_repeatable(device, backend):
+    inputs = fused_inputs(device, torch.bfloat16, True, lq=40)
+    skip_unless_runs(backend, inputs[0], inputs[1], inputs[2],
+                     torch.zeros(*inputs[4].shape, device=device),
+                     torch.zeros(*inputs[4].shape[:-1], device=device), host_shapes(inputs[1]))
+    grads = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in (inputs[0], inputs[3], inputs[4], inputs[5])]
+        out = msda.ms_deform_attn_fused(leaves[0], inputs[1], inputs[2], *leaves[1:],
+                                        backend=backend, deterministic=True,
+                                        spatial_shapes_list=LEVELS)
+        grads.append(torch.autograd.grad(out, leaves, torch.ones_like(out)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("case,match", [
+    ("ref3", r"reference_points.size\(3\) must be 2 \(points\) or 4 \(boxes cx, cy, w, h\), got 3"),
+    ("ref_levels", r"reference_points must have shape \(N, Lq, L, 2 or 4\).*size\(2\) expected 2, got 3"),
+    ("off_rank", r"sampling_offsets must have 6 dimensions \(N, Lq, M, L, P, 2\), got 5"),
+    ("off_heads", r"sampling_offsets must have shape .*size\(2\) expected 4, got 3"),
+    ("logits_size", r"attention_logits must have shape \(N, Lq, M, L \* P\).*size\(3\) expected 6, got 5"),
+    ("logits_int", r"attention_logits must be a floating-point tensor, got Long"),
+])
+def test_fused_bad_inputs_name_the_argument(device, case, match):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    value, shapes, start, ref, off, logits = fused_inputs(device, torch.float32, False)
+    if case == "ref3":
+        ref = torch.rand(*ref.shape[:-1], 3, device=device)
+    elif case == "ref_levels":
+        ref = torch.rand(ref.shape[0], ref.shape[1], 3, 2, device=device)
+    elif case == "off_rank":
+        off = off[..., 0]
+    elif case == "off_heads":
+        off = off[:, :, :3]
+    elif case == "logits_size":
+        logits = logits[..., :5]
+    elif case == "logits_int":
+        logits = logits.long()
+    with pytest.raises(RuntimeError, match=match):
+        msda.ms_deform_attn_fused(value, shapes, start, ref, off, logits)
