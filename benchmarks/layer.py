@@ -9,10 +9,10 @@ Layer: one multi-scale deformable attention layer of d_model 256 (8 heads,
 4 points, the workload's levels), forward + backward of the layer's output
 against a random gradient, queries and flattened features requiring grad.
 Implementations:
-  ours          ms_deform_attn.nn.MSDeformAttn (backend "auto"): locations and
-                softmax inside the operator (ms_deform_attn_fused)
-  unfused       the same module with fused=False: locations and softmax as
-                separate PyTorch ops before ms_deform_attn
+  ours          ms_deform_attn.nn.MSDeformAttn (backend "auto"; locations and
+                softmax as separate PyTorch ops before ms_deform_attn)
+  fused         the same module with fused=True: locations and softmax inside
+                the operator (ms_deform_attn_fused)
   pytorch       the same module on the grid_sample reference
   transformers  transformers' DeformableDetrMultiscaleDeformableAttention on its own
                 path, the same weights
@@ -22,7 +22,7 @@ the host's launch gaps count; wall clock on the CPU), the bytes the layer
 keeps for its backward (saved tensors, counted with
 torch.autograd.graph.saved_tensors_hooks), and on a GPU the peak memory of
 a step of --encoder-layers stacked layers (residual connections). On a GPU,
-ours, unfused and swapped are also timed as CUDA-graph replays (fwd_graph_us,
+ours, fused and swapped are also timed as CUDA-graph replays (fwd_graph_us,
 fwdbwd_graph_us: GPU time alone; the other two read the level shapes on the
 host and cannot be captured).
 
@@ -51,7 +51,7 @@ from ms_deform_attn.nn import MSDeformAttn
 
 from .timing import time_cpu, time_cuda
 
-IMPLS = ("ours", "unfused", "pytorch", "transformers", "swapped")
+IMPLS = ("ours", "fused", "pytorch", "transformers", "swapped")
 DTYPES = ("fp32", "bf16")
 
 
@@ -66,7 +66,7 @@ def _time(device: str, step: Callable[[], object], target_ms: float, graph: bool
 
 # Layers a CUDA graph can capture: no host reads of device tensors (the
 # grid_sample reference and transformers' own path read the level shapes).
-GRAPHABLE = ("ours", "unfused", "swapped")
+GRAPHABLE = ("ours", "fused", "swapped")
 
 
 def _autocast(device: str, dtype: str, cache: bool = True):
@@ -94,8 +94,8 @@ def make_layer(impl: str, wl: W.Workload, d_model: int, device: str) -> torch.nn
     base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto")
     if impl == "ours":
         return base.to(device)
-    if impl == "unfused":
-        base.fused = False
+    if impl == "fused":
+        base.fused = True
         return base.to(device)
     if impl == "pytorch":
         mod = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="pytorch")
@@ -168,9 +168,14 @@ def bench_layer(args) -> List[Dict]:
                     print(f"skip {impl}: {e}")
                     continue
 
-                def forward(layer=layer, cache=True):
+                # Leaves of this layer's own: autograd nodes that another
+                # layer's CUDA-graph capture made (on its stream) and kept
+                # alive would break this one's capture.
+                q_in, f_in = (t.detach().clone().requires_grad_() for t in (query, flat))
+
+                def forward(layer=layer, cache=True, q_in=q_in, f_in=f_in):
                     with _autocast(device, dname, cache):
-                        return call_layer(layer, query, flat, ref, shapes, start, levels)
+                        return call_layer(layer, q_in, f_in, ref, shapes, start, levels)
 
                 def step(forward=forward):
                     out = forward()
@@ -184,7 +189,7 @@ def bench_layer(args) -> List[Dict]:
                     # GPU time without the host's launch gaps: the gradients
                     # of the inputs and weights as fresh tensors (no .grad
                     # accumulation inside the graph).
-                    leaves = [query, flat] + [p for p in layer.parameters() if p.requires_grad]
+                    leaves = [q_in, f_in] + [p for p in layer.parameters() if p.requires_grad]
                     for t in leaves:
                         t.grad = None
                     g_forward = functools.partial(forward, cache=False)

@@ -30,14 +30,17 @@ class MSDeformAttn(nn.Module):
         backend: operator backend ("auto", a name from available_backends(),
             or "pytorch" for the grid_sample reference).
         fused: form the sampling locations and the softmax inside the
-            operator (ms_deform_attn_fused; default), which then keeps the
-            offsets and logits for the backward instead of float32 locations
-            and weights; False runs them as separate PyTorch ops before
-            ms_deform_attn, as Deformable DETR does.
+            operator (ms_deform_attn_fused), which then keeps the offsets and
+            logits for the backward instead of float32 locations and weights
+            (a fifth less saved memory per layer under bf16 autocast) but
+            forms them again in the backward (slower for now: BENCHMARKS.md
+            "Layer: the fused operator"); False (default) runs them as
+            separate PyTorch ops before ms_deform_attn, as Deformable DETR
+            does.
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
-                 backend: str = "auto", fused: bool = True):
+                 backend: str = "auto", fused: bool = False):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}")

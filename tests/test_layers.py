@@ -30,9 +30,10 @@ def module_inputs(device, n=2, lq=17, d_model=64, boxes=False, mask=False, seed=
     return query, ref, flat, shapes, start, pad, LEVELS
 
 
-def make_pair(device, backend, d_model=64, n_heads=8, n_points=3):
+def make_pair(device, backend, d_model=64, n_heads=8, n_points=3, fused=False):
     torch.manual_seed(1)
-    ours = MSDeformAttn(d_model, len(LEVELS), n_heads, n_points, backend=backend).to(device)
+    ours = MSDeformAttn(d_model, len(LEVELS), n_heads, n_points, backend=backend,
+                        fused=fused).to(device)
     # Random weights so that the comparison exercises every parameter.
     with torch.no_grad():
         for p in ours.parameters():
@@ -74,8 +75,9 @@ def test_initialisation_matches_deformable_detr():
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
 @pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
-def test_module_matches_reference_module(device, backend, boxes, mask):
-    ours, ref = make_pair(device, backend)
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_module_matches_reference_module(device, backend, boxes, mask, fused):
+    ours, ref = make_pair(device, backend, fused=fused)
     args = module_inputs(device, boxes=boxes, mask=mask)
     out = ours(*args)
     expected = ref(*args)
@@ -122,8 +124,9 @@ def test_mmcv_style_function(device, backend, as_list):
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_autocast_module(device, backend):
-    ours, ref = make_pair(device, backend)
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_autocast_module(device, backend, fused):
+    ours, ref = make_pair(device, backend, fused=fused)
     args = module_inputs(device)
     with torch.autocast(device, dtype=torch.bfloat16):
         out = ours(*args)
@@ -177,14 +180,17 @@ def encoder_inputs(device):
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
-def test_compile_module_and_model_fullgraph(device, backend):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_compile_module_and_model_fullgraph(device, backend, fused):
     torch._dynamo.reset()
     compiler = "aot_eager" if device == "cpu" else "inductor"
-    ours, _ = make_pair(device, backend)
+    ours, _ = make_pair(device, backend, fused=fused)
     args = module_inputs(device, mask=True)
     compiled = torch.compile(ours, fullgraph=True, backend=compiler)
     torch.testing.assert_close(compiled(*args), ours(*args), rtol=1e-4, atol=1e-5)
     model = TinyEncoder(backend=backend).to(device)
+    for layer in model.layers:
+        layer.fused = fused
     inputs = encoder_inputs(device)
     compiled_model = torch.compile(model, fullgraph=True, backend=compiler)
     out = compiled_model(*inputs)
@@ -208,8 +214,11 @@ def test_export_has_one_op_node(device, backend, fused):
 
 
 @pytest.mark.parametrize("device,backend", [p for p in device_backends() if p.values[0] == "cuda"])
-def test_cuda_graph_training_step(device, backend):
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_cuda_graph_training_step(device, backend, fused):
     model = TinyEncoder(backend=backend).to(device)
+    for layer in model.layers:
+        layer.fused = fused
     static = encoder_inputs(device)
 
     def step():
