@@ -17,6 +17,17 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The deterministic argument kept for the backward; None is decided when the
+// backward runs, as torch's own ops do.
+void save_deterministic(AutogradContext* ctx, std::optional<bool> deterministic) {
+  ctx->saved_data["deterministic"] = deterministic.has_value() ? int64_t(*deterministic) : -1;
+}
+
+bool saved_deterministic(AutogradContext* ctx) {
+  const int64_t det = ctx->saved_data["deterministic"].toInt();
+  return det < 0 ? at::globalContext().deterministicAlgorithms() : det == 1;
+}
+
 class MSDAFunction : public torch::autograd::Function<MSDAFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& value,
@@ -30,15 +41,13 @@ class MSDAFunction : public torch::autograd::Function<MSDAFunction> {
                                 attention_weights, backend, deterministic, spatial_shapes_list);
     ctx->save_for_backward(
         {value, spatial_shapes, level_start_index, sampling_locations, attention_weights});
-    // None: decided when the backward runs, as torch's own ops do.
-    ctx->saved_data["deterministic"] = deterministic.has_value() ? int64_t(*deterministic) : -1;
+    save_deterministic(ctx, deterministic);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const int64_t det = ctx->saved_data["deterministic"].toInt();
-    const bool deterministic = det < 0 ? at::globalContext().deterministicAlgorithms() : det == 1;
+    const bool deterministic = saved_deterministic(ctx);
     auto [grad_value, grad_loc, grad_attn] =
         call_backward(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], deterministic);
     return {grad_value, at::Tensor(), at::Tensor(), grad_loc, grad_attn,
@@ -65,14 +74,13 @@ class FusedFunction : public torch::autograd::Function<FusedFunction> {
                                         backend, deterministic, spatial_shapes_list);
     ctx->save_for_backward({value, spatial_shapes, level_start_index, reference_points,
                             sampling_offsets, attention_logits});
-    ctx->saved_data["deterministic"] = deterministic.has_value() ? int64_t(*deterministic) : -1;
+    save_deterministic(ctx, deterministic);
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const int64_t det = ctx->saved_data["deterministic"].toInt();
-    const bool deterministic = det < 0 ? at::globalContext().deterministicAlgorithms() : det == 1;
+    const bool deterministic = saved_deterministic(ctx);
     const at::Tensor &value = saved[0], &shapes = saved[1], &start = saved[2], &ref = saved[3],
                      &off = saved[4], &logits = saved[5];
     const FusedSizes s = check_fused_inputs(value, shapes, ref, off, logits);
