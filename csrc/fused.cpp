@@ -91,14 +91,18 @@ FusedSizes check_fused_inputs(const at::Tensor& value, const at::Tensor& spatial
 std::tuple<at::Tensor, at::Tensor> fused_locations_and_weights(
     const at::Tensor& spatial_shapes, const at::Tensor& reference_points,
     const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, const FusedSizes& s) {
-  const at::Tensor off = sampling_offsets.to(s.coord);
   at::Tensor loc;
   if (s.boxes) {
     // The reference module's order of operations: offset / P * wh * 0.5.
+    const at::Tensor off = sampling_offsets.to(s.coord);
     loc = ref_columns(reference_points, 0, 2, s.coord) +
           off / static_cast<double>(s.P) * ref_columns(reference_points, 2, 2, s.coord) * 0.5;
   } else {
-    loc = ref_columns(reference_points, 0, 2, s.coord) + off / level_wh(spatial_shapes, s.coord);
+    // ref + offset / (W, H) in one kernel, computed in the promoted dtype
+    // (16-bit offsets are widened, not rounded, before the division).
+    loc = at::addcdiv(ref_columns(reference_points, 0, 2, s.coord), sampling_offsets,
+                      level_wh(spatial_shapes, s.coord))
+              .to(s.coord);
   }
   const at::Tensor weights =
       at::softmax(attention_logits.to(s.coord).reshape({s.N, s.Lq, s.M, s.L * s.P}), -1)
@@ -111,10 +115,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads(
     const at::Tensor& sampling_offsets, const at::Tensor& attention_logits,
     const at::Tensor& attention_weights, const at::Tensor& grad_locations,
     const at::Tensor& grad_weights, const FusedSizes& s, bool ref_grad) {
-  // Softmax: dz = a * (g - sum(a g)) over each row of L P.
+  // Softmax: dz = a * (g - sum(a g)) over each row of L P (one ATen kernel).
   const at::Tensor a = attention_weights.reshape({s.N, s.Lq, s.M, s.L * s.P});
   const at::Tensor g = grad_weights.to(s.coord).reshape({s.N, s.Lq, s.M, s.L * s.P});
-  const at::Tensor grad_logits = (a * (g - (a * g).sum(-1, true)))
+  const at::Tensor grad_logits = at::_softmax_backward_data(g, a, -1, s.coord)
                                      .view(attention_logits.sizes())
                                      .to(attention_logits.scalar_type());
   const at::Tensor gl = grad_locations.to(s.coord);
