@@ -33,10 +33,10 @@ class MSDeformAttn(nn.Module):
             operator (ms_deform_attn_fused), which then keeps the offsets and
             logits for the backward instead of float32 locations and weights
             (a fifth less saved memory per layer under bf16 autocast) but
-            forms them again in the backward (slower for now: BENCHMARKS.md
-            "Layer: the fused operator"); False (default) runs them as
-            separate PyTorch ops before ms_deform_attn, as Deformable DETR
-            does.
+            forms them again in the backward (a higher peak in fp32:
+            BENCHMARKS.md "Layer: the fused operator"); False (default) runs
+            them as separate PyTorch ops before ms_deform_attn, as
+            Deformable DETR does.
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
