@@ -1,8 +1,10 @@
 // ms_deform_attn_fused: the location arithmetic and the softmax of the
-// attention layer inside the operator (see fused.h). Its forward kernel,
-// registered for every backend (CompositeExplicitAutograd), forms the fp32 (fp64)
-// locations and weights and calls ms_deform_attn; they live only for that
-// call. The autograd kernel (autograd/autograd.cpp) saves the raw inputs.
+// attention layer inside the operator (see fused.h). Its composite forward,
+// registered for every backend (CompositeExplicitAutograd), forms the fp32
+// (fp64) locations and weights as tensors and calls ms_deform_attn; they
+// live only for that call. On CUDA the baseline kernel forms them itself
+// (cuda/msda_cuda.cpp). The autograd kernel (autograd/autograd.cpp) saves
+// the raw inputs.
 #include "fused.h"
 
 #include <ATen/ATen.h>
@@ -141,13 +143,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads(
   return {grad_ref, grad_off.to(sampling_offsets.scalar_type()), grad_logits};
 }
 
-namespace {
-
-at::Tensor fused_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                         const at::Tensor& level_start_index, const at::Tensor& reference_points,
-                         const at::Tensor& sampling_offsets, const at::Tensor& attention_logits,
-                         c10::string_view backend, std::optional<bool> deterministic,
-                         at::OptionalIntArrayRef spatial_shapes_list) {
+at::Tensor fused_forward_composite(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                   const at::Tensor& level_start_index,
+                                   const at::Tensor& reference_points,
+                                   const at::Tensor& sampling_offsets,
+                                   const at::Tensor& attention_logits, c10::string_view backend,
+                                   std::optional<bool> deterministic,
+                                   at::OptionalIntArrayRef spatial_shapes_list) {
   const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
                                           sampling_offsets, attention_logits);
   auto [loc, weights] = fused_locations_and_weights(spatial_shapes, reference_points,
@@ -156,9 +158,10 @@ at::Tensor fused_forward(const at::Tensor& value, const at::Tensor& spatial_shap
                       deterministic, spatial_shapes_list);
 }
 
-}  // namespace
 }  // namespace msda
 
+// Every device; CUDA registers its own kernel (cuda/msda_cuda.cpp), which
+// forms the locations and weights inside the baseline forward.
 TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
-  m.impl("ms_deform_attn_fused", &msda::fused_forward);
+  m.impl("ms_deform_attn_fused", &msda::fused_forward_composite);
 }

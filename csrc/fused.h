@@ -7,7 +7,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/OptionalArrayRef.h>
+#include <c10/util/string_view.h>
 
+#include <optional>
 #include <tuple>
 
 namespace msda {
@@ -44,5 +47,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads(
     const at::Tensor& sampling_offsets, const at::Tensor& attention_logits,
     const at::Tensor& attention_weights, const at::Tensor& grad_locations,
     const at::Tensor& grad_weights, const FusedSizes& s, bool ref_grad);
+
+// The forward from ATen ops: the locations and weights formed as tensors,
+// then ms_deform_attn (every device; the CUDA kernel's fallback where the
+// baseline kernel does not form them itself).
+at::Tensor fused_forward_composite(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                   const at::Tensor& level_start_index,
+                                   const at::Tensor& reference_points,
+                                   const at::Tensor& sampling_offsets,
+                                   const at::Tensor& attention_logits, c10::string_view backend,
+                                   std::optional<bool> deterministic,
+                                   at::OptionalIntArrayRef spatial_shapes_list);
 
 }  // namespace msda

@@ -2,14 +2,17 @@
 // `lanes` threads of a (query, head) read each location and weight once per
 // (level, point) (one broadcast request per warp) and gather the four corners
 // with 16-byte vector loads. fp32 (fp64 for fp64) coordinate math and
-// accumulation.
+// accumulation. For ms_deform_attn_fused it also forms the locations and
+// the softmax from the offsets and logits (FusedPoints, sampler.cuh).
 #include "sampler.cuh"
 #include "launch.h"
 
 namespace msda::cuda {
 namespace {
 
-template <typename T, typename LT, int VEC>
+// kFused: ms_deform_attn_fused (p.ref set): loc / attn are the offsets and
+// logits, the group forms its row's softmax and each point's location.
+template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM, 32 warps): the gather is
 // latency-bound and no spills result (ptxas: 60-63 registers).
 __global__ void __launch_bounds__(kThreads, 4)
@@ -32,14 +35,20 @@ __global__ void __launch_bounds__(kThreads, 4)
   const auto [loc, attn] = query_row<LT>(p, group);
   T* out = static_cast<T*>(p.out) + group * pb.D;
 
-  forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes,
-                          CornerSlots<A>(slot_mem, kThreads),
-                          [&](int l, int64_t c, auto&& body) {
-                            const T* vl = vbase + levels[l].start * row_stride + c;
-                            body([&](int pix, A(&v)[VEC]) {
-                              load_vec<T, VEC>(pixel_ptr(vl, pix, stride_bytes), v);
-                            });
-                          });
+  auto with_fetch = [&](int l, int64_t c, auto&& body) {
+    const T* vl = vbase + levels[l].start * row_stride + c;
+    body([&](int pix, A(&v)[VEC]) { load_vec<T, VEC>(pixel_ptr(vl, pix, stride_bytes), v); });
+  };
+  const CornerSlots<A> slots(slot_mem, kThreads);
+  if constexpr (kFused) {
+    float max, sum;
+    row_softmax(attn, pb.L * pb.P, group_lanes(lane, lanes), max, sum);
+    const float* ref = p.ref + (group / pb.M) * pb.L * p.ref_dim;  // its (n, q)
+    forward_row_points<T, VEC>(pb, levels, FusedPoints<LT>{loc, attn, ref, p.ref_dim, pb.P, max, sum},
+                               out, lane, lanes, slots, with_fetch);
+  } else {
+    forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes, slots, with_fetch);
+  }
 }
 
 template <typename T, typename LT, int VEC>
@@ -47,7 +56,15 @@ struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
     const int lanes = lanes_for(p.pb.D, VEC);
     const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
-    baseline_forward_kernel<T, LT, VEC><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+    if (p.ref != nullptr) {
+      // The fused operator sends no fp64 values here (fused_forward_cuda).
+      if constexpr (std::is_same_v<acc_t<T>, float>) {
+        baseline_forward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+        return cudaGetLastError();
+      }
+      return cudaErrorInvalidValue;
+    }
+    baseline_forward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
     return cudaGetLastError();
   }
 };

@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 
+#include "../fused.h"
 #include "../output.h"
 #include "../validation.h"
 #include "backends.h"
@@ -60,6 +61,57 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   return out;
 }
 
+// ms_deform_attn_fused on CUDA: the baseline kernel forms the locations and
+// the softmax itself (nothing of size N x Lq x M x L x P is made); other
+// backends and fp64 values take the composite (fused.cpp).
+at::Tensor fused_forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                              const at::Tensor& level_start_index,
+                              const at::Tensor& reference_points,
+                              const at::Tensor& sampling_offsets,
+                              const at::Tensor& attention_logits, c10::string_view backend,
+                              std::optional<bool> deterministic,
+                              at::OptionalIntArrayRef spatial_shapes_list) {
+  const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
+                                          sampling_offsets, attention_logits);
+  auto composite = [&] {
+    return fused_forward_composite(value, spatial_shapes, level_start_index, reference_points,
+                                   sampling_offsets, attention_logits, backend, deterministic,
+                                   spatial_shapes_list);
+  };
+  if (value.scalar_type() == at::kDouble) return composite();
+  // Offsets and logits in one dtype the kernels take (value's or fp32).
+  const auto vt = value.scalar_type();
+  const bool as_is = sampling_offsets.scalar_type() == attention_logits.scalar_type() &&
+                     (sampling_offsets.scalar_type() == vt ||
+                      sampling_offsets.scalar_type() == at::kFloat);
+  const at::Tensor off = as_is ? sampling_offsets : sampling_offsets.to(at::kFloat);
+  const at::Tensor logits =
+      (as_is ? attention_logits : attention_logits.to(at::kFloat)).reshape({s.N, s.Lq, s.M, s.L, s.P});
+  Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, off, logits, backend,
+                               spatial_shapes_list);
+  const c10::cuda::CUDAGuard guard(value.device());
+  const auto& pb = in.pb;
+  const cuda::CudaBackend& impl = cuda::backend_for(backend, pb, value.device().index());
+  if (std::string(impl.name) != "baseline") return composite();
+  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
+  if (out.numel() == 0) return out;
+  TORCH_CHECK(reference_points.device() == value.device(), "ms_deform_attn_fused: "
+              "reference_points must be on value's device ", value.device(), ", got ",
+              reference_points.device());
+  const at::Tensor ref = reference_points.to(at::kFloat).contiguous();
+  in.loc = aligned_pairs(in.loc);
+  in.value = aligned(in.value, impl.value_align);
+  ForwardParams p;
+  set_inputs(p, in);
+  p.out = out.data_ptr();
+  p.ref = ref.data_ptr<float>();
+  p.ref_dim = s.boxes ? 4 : 2;
+  const int64_t elem = in.value.element_size();
+  p.vec = cuda::pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.value, p.out});
+  C10_CUDA_CHECK(impl.forward(p, at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
@@ -108,4 +160,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
 TORCH_LIBRARY_IMPL(ms_deform_attn, CUDA, m) {
   m.impl("ms_deform_attn", &msda::forward_cuda);
   m.impl("_ms_deform_attn_backward", &msda::backward_cuda);
+  m.impl("ms_deform_attn_fused", &msda::fused_forward_cuda);
 }

@@ -192,22 +192,78 @@ __device__ __forceinline__ GroupLanes group_lanes(int lane, int lanes) {
   return g;
 }
 
+// Where a row's points come from. RowPoints: the (query, head) row's
+// locations and weights as the caller passed them.
+template <typename LT>
+struct RowPoints {
+  const LT* loc;
+  const LT* attn;
+  template <typename A>
+  __device__ __forceinline__ void load(const Level&, int, int i, A& x, A& y, A& w) const {
+    load_point(loc, attn, i, x, y, w);
+  }
+};
+
+// FusedPoints (ms_deform_attn_fused): formed from the row's sampling offsets
+// and attention logits and its query's reference points `ref` (L x ref_dim
+// floats), in the composite's order of operations (csrc/fused.cpp):
+// location = ref + offset / (W, H) (ref_dim 2) or ref_xy + offset / P *
+// ref_wh * 0.5 (ref_dim 4); weight = exp(logit - max) / sum over the row
+// (row_softmax). Float accumulation only (no fp64 values).
+template <typename LT>
+struct FusedPoints {
+  const LT* off;
+  const LT* logits;
+  const float* ref;
+  int ref_dim, P;
+  float max, sum;
+  template <typename A>
+  __device__ __forceinline__ void load(const Level& lv, int l, int i, A& x, A& y, A& w) const {
+    A o[2];
+    load_xy(off + 2 * i, o);
+    const float* r = ref + l * ref_dim;
+    if (ref_dim == 4) {
+      x = r[0] + o[0] / A(P) * r[2] * A(0.5);
+      y = r[1] + o[1] / A(P) * r[3] * A(0.5);
+    } else {
+      x = r[0] + o[0] / A(lv.W);
+      y = r[1] + o[1] / A(lv.H);
+    }
+    w = expf(float(to_acc(logits[i])) - max) / sum;
+  }
+};
+
+// Max and sum of exp(logit - max) over a row's `count` logits, by the
+// group's lanes (every lane gets both). A NaN logit makes the sum NaN, so
+// every weight of the row is NaN (poisoned), as with torch.softmax.
+template <typename LT, typename Lanes>
+__device__ __forceinline__ void row_softmax(const LT* logits, int count, const Lanes& g, float& max,
+                                            float& sum) {
+  max = -INFINITY;
+  for (int i = g.lane; i < count; i += g.lanes) max = fmaxf(max, float(to_acc(logits[i])));
+  for (int o = 1; o < g.lanes; o <<= 1) max = fmaxf(max, __shfl_xor_sync(g.mask, max, o));
+  sum = 0.f;
+  for (int i = g.lane; i < count; i += g.lanes) sum += expf(float(to_acc(logits[i])) - max);
+  for (int o = 1; o < g.lanes; o <<= 1) sum += __shfl_xor_sync(g.mask, sum, o);
+}
+
 // The P points of level l of one (query, head) row, added into acc (this
 // lane's channel slice; `active` false for lanes past D, which still resolve
-// points). Lane j resolves point p0 + j with resolve(x, y, w) into its slot
-// of `slots` (shared memory, see CornerSlots), and the group then gathers
-// those points one after the other, reading each point's corners from its
-// slot (a broadcast) and its values through fetch(pix, v). So the set-up runs
-// once a sample instead of once per lane, and the gather loop has no shuffles
-// (whose convergence checks cost more than they save; benchmarks/NOTES.md).
-template <typename LT, typename A, int VEC, typename Resolve, typename Fetch>
-__device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, const LT* loc,
-                                             const LT* attn, bool active, CornerSlots<A> slots,
+// points). Lane j resolves point p0 + j (taken from `pts`, RowPoints or
+// FusedPoints) with resolve(x, y, w) into its slot of `slots` (shared
+// memory, see CornerSlots), and the group then gathers those points one
+// after the other, reading each point's corners from its slot (a broadcast)
+// and its values through fetch(pix, v). So the set-up runs once a sample
+// instead of once per lane, and the gather loop has no shuffles (whose
+// convergence checks cost more than they save; benchmarks/NOTES.md).
+template <typename Points, typename A, int VEC, typename Resolve, typename Fetch>
+__device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, const Level& lv,
+                                             const Points& pts, bool active, CornerSlots<A> slots,
                                              A (&acc)[VEC], Resolve&& resolve, Fetch&& fetch) {
   for (int p0 = 0; p0 < P; p0 += g.lanes) {
     if (p0 + g.lane < P) {
       A x, y, w;
-      load_point(loc, attn, l * P + p0 + g.lane, x, y, w);
+      pts.load(lv, l, l * P + p0 + g.lane, x, y, w);
       slots.put(g.slot(g.lane), resolve(x, y, w));
     }
     __syncwarp(g.mask);
@@ -222,16 +278,18 @@ __device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, 
   }
 }
 
-// One (query, head) row of the output: the sum over levels and points, over
-// this lane's channel slices (gather_level for each level). All `lanes`
-// threads of the group call it. with_fetch(l, c, body) calls body(fetch) with
-// the fetch for level l at channel offset c (global memory, shared memory...),
-// which is where the backends differ; or body(fetch, index) when the fetch
-// wants corners numbered by index(row, col) (see resolve_sample).
-template <typename T, typename LT, int VEC, typename WithFetch>
-__device__ __forceinline__ void forward_row(const Problem& pb, const Level* levels, const LT* loc,
-                                            const LT* attn, T* out, int lane, int lanes,
-                                            CornerSlots<acc_t<T>> slots, WithFetch&& with_fetch) {
+// One (query, head) row of the output: the sum over levels and points of
+// `pts`, over this lane's channel slices (gather_level for each level). All
+// `lanes` threads of the group call it. with_fetch(l, c, body) calls
+// body(fetch) with the fetch for level l at channel offset c (global memory,
+// shared memory...), which is where the backends differ; or body(fetch,
+// index) when the fetch wants corners numbered by index(row, col) (see
+// resolve_sample).
+template <typename T, int VEC, typename Points, typename WithFetch>
+__device__ __forceinline__ void forward_row_points(const Problem& pb, const Level* levels,
+                                                   const Points& pts, T* out, int lane, int lanes,
+                                                   CornerSlots<acc_t<T>> slots,
+                                                   WithFetch&& with_fetch) {
   using A = acc_t<T>;
   const GroupLanes g = group_lanes(lane, lanes);
   const int64_t step = int64_t(lanes) * VEC;
@@ -244,7 +302,7 @@ __device__ __forceinline__ void forward_row(const Problem& pb, const Level* leve
     for (int l = 0; l < pb.L; ++l) {
       const Level lv = levels[l];
       with_fetch(l, active ? c : 0, [&](auto&& fetch, auto&&... index) {
-        gather_level(g, pb.P, l, loc, attn, active, slots, acc,
+        gather_level(g, pb.P, l, lv, pts, active, slots, acc,
                      [&](A x, A y, A w) {
                        return resolve_sample(x, y, lv.weight(w), lv.H, lv.W, index...);
                      },
@@ -253,6 +311,15 @@ __device__ __forceinline__ void forward_row(const Problem& pb, const Level* leve
     }
     if (active) store_vec<T, VEC>(out + c, acc);
   }
+}
+
+// The same from the row's locations and weights as given.
+template <typename T, typename LT, int VEC, typename WithFetch>
+__device__ __forceinline__ void forward_row(const Problem& pb, const Level* levels, const LT* loc,
+                                            const LT* attn, T* out, int lane, int lanes,
+                                            CornerSlots<acc_t<T>> slots, WithFetch&& with_fetch) {
+  forward_row_points<T, VEC>(pb, levels, RowPoints<LT>{loc, attn}, out, lane, lanes, slots,
+                             with_fetch);
 }
 
 }  // namespace msda::cuda
