@@ -1,5 +1,6 @@
-// Forward and backward of ms_deform_attn from C++, checked against a
-// double-precision computation: on the CPU, and on CUDA when a GPU is there.
+// Forward and backward of ms_deform_attn and ms_deform_attn_fused from C++,
+// checked against a double-precision computation: on the CPU, and on CUDA
+// when a GPU is there.
 // Exit status 0 when every check passes.
 #include <ms_deform_attn/ms_deform_attn.h>
 #include <torch/torch.h>
@@ -88,6 +89,32 @@ bool run(torch::Device device, torch::Dtype dtype, double tol) {
   ok &= check("grad value", rel_err(value.grad().cpu(), rv.grad()), tol);
   ok &= check("grad sampling_locations", rel_err(loc.grad().cpu(), rl.grad()), 2 * tol);
   ok &= check("grad attention_weights", rel_err(attn.grad().cpu(), ra.grad()), tol);
+
+  // The fused operator, from the layer's raw outputs: reference points,
+  // sampling offsets (pixels of each level) and attention logits; the
+  // reference forms locations and softmax from the same rounded inputs.
+  auto ref_pts64 = torch::rand({N, Lq, L, 2}, f64);
+  auto off64 = torch::randn({N, Lq, M, L, P, 2}, f64) * 2;
+  auto logits64 = torch::randn({N, Lq, M, L * P}, f64);
+  auto ref_pts = ref_pts64.to(device, loc_dtype);
+  auto off = off64.to(device, loc_dtype).requires_grad_();
+  auto logits = logits64.to(device, loc_dtype).requires_grad_();
+  auto fvalue = value.detach().requires_grad_();
+  auto fout = ms_deform_attn::ms_deform_attn_fused(fvalue, shapes, starts, ref_pts, off, logits,
+                                                   "auto", std::nullopt, hw);
+  fout.backward(grad64.to(device, dtype));
+  auto fv = value.detach().to(torch::kCPU, torch::kDouble).requires_grad_();
+  auto ro = off.detach().to(torch::kCPU, torch::kDouble).requires_grad_();
+  auto rz = logits.detach().to(torch::kCPU, torch::kDouble).requires_grad_();
+  auto wh = torch::tensor(std::vector<double>{16, 12, 8, 6, 4, 3}, f64).view({1, 1, 1, L, 1, 2});
+  auto floc = ref_pts.to(torch::kCPU, torch::kDouble).view({N, Lq, 1, L, 1, 2}) + ro / wh;
+  auto fattn = torch::softmax(rz, -1).view({N, Lq, M, L, P});
+  auto fref = reference(fv, hw, floc, fattn);
+  fref.backward(grad64.to(dtype).to(torch::kDouble));
+  ok &= check("fused forward", rel_err(fout.cpu(), fref.detach()), tol);
+  ok &= check("fused grad value", rel_err(fvalue.grad().cpu(), fv.grad()), tol);
+  ok &= check("fused grad sampling_offsets", rel_err(off.grad().cpu(), ro.grad()), 2 * tol);
+  ok &= check("fused grad attention_logits", rel_err(logits.grad().cpu(), rz.grad()), 2 * tol);
   return ok;
 }
 
