@@ -196,3 +196,23 @@ def test_fused_bad_inputs_name_the_argument(device, case, match):
         logits = logits.long()
     with pytest.raises(RuntimeError, match=match):
         msda.ms_deform_attn_fused(value, shapes, start, ref, off, logits)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_fused_takes_non_contiguous_inputs(device, backend):
+    """Reference points broadcast over levels (expand), offsets and logits
+    as strided slices of wider linear outputs: the same result as
+    contiguous copies."""
+    value, shapes, start, ref, off, logits = fused_inputs(device, torch.float32, True)
+    skip_unless_runs(backend, value, shapes, start, torch.zeros(*off.shape, device=device),
+                     torch.zeros(*off.shape[:-1], device=device), host_shapes(shapes))
+    ref_b = ref[:, :, :1].expand_as(ref)
+    off_s = torch.cat([off, off], -1)[..., ::2]
+    logits_s = torch.cat([logits, logits], -1)[..., ::2]
+    assert not (ref_b.is_contiguous() or off_s.is_contiguous() or logits_s.is_contiguous())
+    got = msda.ms_deform_attn_fused(value, shapes, start, ref_b, off_s, logits_s, backend=backend,
+                                    spatial_shapes_list=LEVELS)
+    want = msda.ms_deform_attn_fused(value, shapes, start, ref_b.contiguous(), off_s.contiguous(),
+                                     logits_s.contiguous(), backend=backend,
+                                     spatial_shapes_list=LEVELS)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
