@@ -4,7 +4,7 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes,
-#                               profile, sass, dsmem, cpp, cputhreads)
+#                               profile, sass, dsmem, cpp, cputhreads, layerk)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -102,6 +102,10 @@ for stage in $STAGES; do
       # with ';' between runs).
       IFS=';' read -ra runs <<< "${KTIMES_ARGS:-ddetr_enc bf16}"
       for r in "${runs[@]}"; do $PY scripts/kernel_times.py $r; done 2>&1 | tee -a "$OUT/ktimes.txt" ;;
+    layerk)
+      # Per-kernel GPU times of the attention layer's forward + backward
+      # (LAYERK_ARGS="workload dtype impl ...").
+      $PY scripts/layer_kernels.py ${LAYERK_ARGS:-ddetr_enc bf16 ours fused} 2>&1 | tee -a "$OUT/layerk.txt" | head -120 ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
