@@ -87,9 +87,21 @@ FusedSizes check_fused_inputs(const at::Tensor& value, const at::Tensor& spatial
   check_float(reference_points, "reference_points");
   check_float(sampling_offsets, "sampling_offsets");
   check_float(attention_logits, "attention_logits");
+  for (const auto& [t, name] : {std::pair{&reference_points, "reference_points"},
+                                {&sampling_offsets, "sampling_offsets"},
+                                {&attention_logits, "attention_logits"}}) {
+    TORCH_CHECK(t->device() == value.device(), kFusedOp, name, " must be on value's device ",
+                value.device(), ", got ", t->device());
+  }
   return s;
 }
 
+namespace {
+
+// The sampling locations (N, Lq, M, L, P, 2) and attention weights
+// (N, Lq, M, L, P), in s.coord, as Deformable DETR's layer forms them: points
+// ref + offset / (W, H) of the level; boxes ref_xy + offset / P * ref_wh *
+// 0.5; weights the softmax of each (n, q, m)'s L P logits.
 std::tuple<at::Tensor, at::Tensor> fused_locations_and_weights(
     const at::Tensor& spatial_shapes, const at::Tensor& reference_points,
     const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, const FusedSizes& s) {
@@ -112,6 +124,10 @@ std::tuple<at::Tensor, at::Tensor> fused_locations_and_weights(
   return {loc, weights};
 }
 
+// Gradients of the raw inputs from those of the locations and weights (the
+// chain rule of fused_locations_and_weights): grad_reference_points (only
+// when `ref_grad`; undefined otherwise), grad_sampling_offsets,
+// grad_attention_logits, each in its input's dtype and shape.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads(
     const at::Tensor& spatial_shapes, const at::Tensor& reference_points,
     const at::Tensor& sampling_offsets, const at::Tensor& attention_logits,
@@ -143,6 +159,39 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads(
   return {grad_ref, grad_off.to(sampling_offsets.scalar_type()), grad_logits};
 }
 
+}  // namespace
+
+at::Tensor fused_forward_formed(const FusedSizes& s, const at::Tensor& value,
+                                const at::Tensor& spatial_shapes,
+                                const at::Tensor& level_start_index,
+                                const at::Tensor& reference_points,
+                                const at::Tensor& sampling_offsets,
+                                const at::Tensor& attention_logits, c10::string_view backend,
+                                std::optional<bool> deterministic,
+                                at::OptionalIntArrayRef spatial_shapes_list) {
+  auto [loc, weights] = fused_locations_and_weights(spatial_shapes, reference_points,
+                                                    sampling_offsets, attention_logits, s);
+  return call_forward(value, spatial_shapes, level_start_index, loc, weights, backend,
+                      deterministic, spatial_shapes_list);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_formed(
+    const FusedSizes& s, const at::Tensor& grad_output, const at::Tensor& value,
+    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+    const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
+    const at::Tensor& attention_logits, bool deterministic, bool ref_grad) {
+  auto [loc, weights] = fused_locations_and_weights(spatial_shapes, reference_points,
+                                                    sampling_offsets, attention_logits, s);
+  auto [grad_value, grad_loc, grad_weights] = call_backward(
+      grad_output, value, spatial_shapes, level_start_index, loc, weights, deterministic);
+  auto [grad_ref, grad_off, grad_logits] =
+      fused_input_grads(spatial_shapes, reference_points, sampling_offsets, attention_logits,
+                        weights, grad_loc, grad_weights, s, ref_grad);
+  return {grad_value, grad_off, grad_logits, grad_ref};
+}
+
+namespace {
+
 at::Tensor fused_forward_composite(const at::Tensor& value, const at::Tensor& spatial_shapes,
                                    const at::Tensor& level_start_index,
                                    const at::Tensor& reference_points,
@@ -152,16 +201,32 @@ at::Tensor fused_forward_composite(const at::Tensor& value, const at::Tensor& sp
                                    at::OptionalIntArrayRef spatial_shapes_list) {
   const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
                                           sampling_offsets, attention_logits);
-  auto [loc, weights] = fused_locations_and_weights(spatial_shapes, reference_points,
-                                                    sampling_offsets, attention_logits, s);
-  return call_forward(value, spatial_shapes, level_start_index, loc, weights, backend,
-                      deterministic, spatial_shapes_list);
+  return fused_forward_formed(s, value, spatial_shapes, level_start_index, reference_points,
+                              sampling_offsets, attention_logits, backend, deterministic,
+                              spatial_shapes_list);
 }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_composite(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& reference_points,
+    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic) {
+  const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
+                                          sampling_offsets, attention_logits);
+  auto [grad_value, grad_off, grad_logits, unused] =
+      fused_backward_formed(s, grad_output, value, spatial_shapes, level_start_index,
+                            reference_points, sampling_offsets, attention_logits, deterministic,
+                            /*ref_grad=*/false);
+  return {grad_value, grad_off, grad_logits};
+}
+
+}  // namespace
 
 }  // namespace msda
 
-// Every device; CUDA registers its own kernel (cuda/msda_cuda.cpp), which
-// forms the locations and weights inside the baseline forward.
+// Every device; CUDA registers its own kernels (cuda/msda_cuda.cpp), which
+// form the locations and weights inside the baseline forward and the sorted
+// backward.
 TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
   m.impl("ms_deform_attn_fused", &msda::fused_forward_composite);
+  m.impl("_ms_deform_attn_fused_backward", &msda::fused_backward_composite);
 }

@@ -2,8 +2,8 @@
 // (reference points, sampling offsets, attention logits) in, the sampling
 // locations and the softmax formed inside the operator in fp32 (fp64 for
 // fp64 values). Its autograd (autograd/autograd.cpp) keeps those raw
-// inputs, not the N x Lq x M x L x P locations and weights, and forms them
-// again for the backward.
+// inputs, not the N x Lq x M x L x P locations and weights; its backward
+// (_ms_deform_attn_fused_backward) forms them again.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,33 +30,27 @@ FusedSizes check_fused_inputs(const at::Tensor& value, const at::Tensor& spatial
                               const at::Tensor& sampling_offsets,
                               const at::Tensor& attention_logits);
 
-// The sampling locations (N, Lq, M, L, P, 2) and attention weights
-// (N, Lq, M, L, P), in s.coord, as Deformable DETR's layer forms them: points
-// ref + offset / (W, H) of the level; boxes ref_xy + offset / P * ref_wh *
-// 0.5; weights the softmax of each (n, q, m)'s L P logits.
-std::tuple<at::Tensor, at::Tensor> fused_locations_and_weights(
-    const at::Tensor& spatial_shapes, const at::Tensor& reference_points,
-    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, const FusedSizes& s);
+// The forward from ATen ops, on inputs check_fused_inputs() passed as s: the
+// locations and weights formed as tensors, then ms_deform_attn (every
+// device; the CUDA kernel's fallback where the baseline kernel does not form
+// them itself).
+at::Tensor fused_forward_formed(const FusedSizes& s, const at::Tensor& value,
+                                const at::Tensor& spatial_shapes,
+                                const at::Tensor& level_start_index,
+                                const at::Tensor& reference_points,
+                                const at::Tensor& sampling_offsets,
+                                const at::Tensor& attention_logits, c10::string_view backend,
+                                std::optional<bool> deterministic,
+                                at::OptionalIntArrayRef spatial_shapes_list);
 
-// Gradients of the raw inputs from those of the locations and weights (the
-// chain rule of fused_locations_and_weights): grad_reference_points (only
-// when `ref_grad`; undefined otherwise), grad_sampling_offsets,
-// grad_attention_logits, each in its input's dtype and shape.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads(
-    const at::Tensor& spatial_shapes, const at::Tensor& reference_points,
-    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits,
-    const at::Tensor& attention_weights, const at::Tensor& grad_locations,
-    const at::Tensor& grad_weights, const FusedSizes& s, bool ref_grad);
-
-// The forward from ATen ops: the locations and weights formed as tensors,
-// then ms_deform_attn (every device; the CUDA kernel's fallback where the
-// baseline kernel does not form them itself).
-at::Tensor fused_forward_composite(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                   const at::Tensor& level_start_index,
-                                   const at::Tensor& reference_points,
-                                   const at::Tensor& sampling_offsets,
-                                   const at::Tensor& attention_logits, c10::string_view backend,
-                                   std::optional<bool> deterministic,
-                                   at::OptionalIntArrayRef spatial_shapes_list);
+// The backward likewise: locations and weights formed again, then
+// _ms_deform_attn_backward and the chain rule (fused_input_grads). Returns
+// grad_value, grad_sampling_offsets, grad_attention_logits and (only when
+// `ref_grad`; undefined otherwise) grad_reference_points.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_formed(
+    const FusedSizes& s, const at::Tensor& grad_output, const at::Tensor& value,
+    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+    const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
+    const at::Tensor& attention_logits, bool deterministic, bool ref_grad);
 
 }  // namespace msda

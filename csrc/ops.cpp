@@ -35,6 +35,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(
                  attention_weights, deterministic);
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_fused_backward(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& reference_points,
+    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::_ms_deform_attn_fused_backward", "")
+                       .typed<decltype(call_fused_backward)>();
+  return op.call(grad_output, value, spatial_shapes, level_start_index, reference_points,
+                 sampling_offsets, attention_logits, deterministic);
+}
+
 at::Tensor call_fused_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
                               const at::Tensor& level_start_index,
                               const at::Tensor& reference_points,
@@ -87,6 +98,12 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "_ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
       "bool deterministic=False) -> (Tensor, Tensor, Tensor)");
+  // The fused operator's backward (no reference points' gradient): grad of
+  // value, sampling_offsets, attention_logits.
+  m.def(
+      "_ms_deform_attn_fused_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
+      "Tensor level_start_index, Tensor reference_points, Tensor sampling_offsets, "
+      "Tensor attention_logits, bool deterministic=False) -> (Tensor, Tensor, Tensor)");
   // Host-side queries: no tensors out, never traced.
   m.def("_available_backends(Device device) -> str[]", &msda::available_backends);
   m.def(

@@ -31,4 +31,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
     const at::Tensor& attention_weights, bool deterministic);
 
+// The fused operator's backward without the reference points' gradient:
+// grad_value, grad_sampling_offsets, grad_attention_logits.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_fused_backward(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& reference_points,
+    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic);
+
 }  // namespace msda

@@ -63,6 +63,14 @@ struct BackwardParams {
   void* sample_ids = nullptr;  // (samples,) same type
   bool wide_keys = false;
   int64_t cell_stride = 0;     // keys per (n, m): 2 * S + 2 * L bounds the cells of all levels
+  // ms_deform_attn_fused (the sorted path only): with ref set, loc holds the
+  // sampling offsets and attn the attention logits, as in ForwardParams;
+  // grad_loc and grad_attn receive the gradients of those, and row_stats
+  // (N, Lq, M) the (max, sum of exp) of each row's softmax, which the dots
+  // kernel writes for the kernels after it.
+  const float* ref = nullptr;
+  int ref_dim = 0;
+  float* row_stats = nullptr;  // 2 floats a row
 };
 
 }  // namespace msda

@@ -176,6 +176,16 @@ def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampli
     )
 
 
+@torch.library.register_fake("ms_deform_attn::_ms_deform_attn_fused_backward")
+def _fused_backward_fake(grad_output, value, spatial_shapes, level_start_index, reference_points,
+                         sampling_offsets, attention_logits, deterministic=False):
+    return (
+        torch.empty_like(value, memory_format=torch.contiguous_format),
+        torch.empty_like(sampling_offsets, memory_format=torch.contiguous_format),
+        torch.empty_like(attention_logits, memory_format=torch.contiguous_format),
+    )
+
+
 @torch.library.register_fake("ms_deform_attn::ms_deform_attn_fused")
 def _fused_fake(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
                 attention_logits, backend="auto", deterministic=None, spatial_shapes_list=None):

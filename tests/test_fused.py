@@ -13,16 +13,16 @@ LEVELS = [(6, 7), (3, 4)]
 
 
 def fused_inputs(device, dtype, boxes, n=2, lq=9, m=4, d=16, p=3, logits_5d=False, seed=0,
-                 coord_dtype=None):
+                 coord_dtype=None, levels=LEVELS):
     """value in `dtype`; offsets and logits in coord_dtype (default: dtype,
     as a linear layer makes them), reference points in float32 (float64 for
     float64 values)."""
     g = torch.Generator().manual_seed(seed)
     coord_dtype = coord_dtype or dtype
     ref_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    shapes, start = level_tensors(LEVELS, device)
-    s = sum(h * w for h, w in LEVELS)
-    L = len(LEVELS)
+    shapes, start = level_tensors(levels, device)
+    s = sum(h * w for h, w in levels)
+    L = len(levels)
     value = torch.randn(n, s, m, d, generator=g, dtype=torch.float64)
     ref = torch.rand(n, lq, L, 4 if boxes else 2, generator=g, dtype=torch.float64)
     if boxes:
@@ -216,3 +216,100 @@ def test_fused_takes_non_contiguous_inputs(device, backend):
                                      logits_s.contiguous(), backend=backend,
                                      spatial_shapes_list=LEVELS)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+# ---- the backward inside the CUDA kernels ---------------------------------------
+# With 16-bit values, D a multiple of 32 and the sorted backward (the bf16
+# default on dense problems, or deterministic=True), the fused backward forms
+# the locations and the softmax inside the sorted path's kernels and writes
+# the offsets' and logits' gradients itself. Levels x points: 2 x 3 (rows of
+# 8 slots once padded, reduced by shuffles), 3 x 4 (12 slots, through shared
+# memory), 1 x 1.
+KERNEL_SHAPES = {"pow2": ([(6, 7), (3, 4)], 3), "odd": ([(6, 7), (3, 4), (2, 2)], 4),
+                 "single": ([(5, 9)], 1)}
+
+
+def kernel_backward_grads(inputs, levels, deterministic, **kw):
+    value, shapes, start, ref, off, logits = inputs
+    leaves = [t.detach().requires_grad_() for t in (value, off, logits)]
+    out = msda.ms_deform_attn_fused(leaves[0], shapes, start, ref, leaves[1], leaves[2],
+                                    deterministic=deterministic, spatial_shapes_list=levels, **kw)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    return out, grad, torch.autograd.grad(out, leaves, grad)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", list(KERNEL_SHAPES))
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
+@pytest.mark.parametrize("dtype,deterministic", [(torch.bfloat16, None), (torch.bfloat16, True),
+                                                 (torch.float16, True)])
+def test_fused_kernel_backward_matches_reference(shape, d, boxes, dtype, deterministic):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    levels, p = KERNEL_SHAPES[shape]
+    # 3 heads x 11 queries: the last warp task only partly filled.
+    inputs = fused_inputs("cuda", dtype, boxes, lq=11, m=3, d=d, p=p, levels=levels)
+    value, shapes, start, ref, off, logits = inputs
+    off.mul_(3)  # some samples outside the map
+    _, grad, got = kernel_backward_grads(inputs, levels, deterministic)
+    leaves = [t.detach().double().requires_grad_() for t in (value, off, logits)]
+    want_out = composed(leaves[0], shapes, start, ref.double(), leaves[1], leaves[2])
+    want = torch.autograd.grad(want_out, leaves, grad.double())
+    for name, a, b, t in zip(["value", "sampling_offsets", "attention_logits"], got, want,
+                             (value, off, logits)):
+        assert a.dtype == t.dtype and a.shape == t.shape, name
+        assert rel_err(a, b) <= TOL[dtype], name
+
+
+@pytest.mark.cuda
+def test_fused_kernel_backward_runs_in_the_kernels():
+    """No softmax nor its backward among the kernels the backward launches
+    (the composite path forms them with ATen's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    levels, p = KERNEL_SHAPES["pow2"]
+    inputs = fused_inputs("cuda", torch.bfloat16, False, lq=12, d=32, p=p, levels=levels)
+    value, shapes, start, ref, off, logits = inputs
+    leaves = [t.detach().requires_grad_() for t in (value, off, logits)]
+    out = msda.ms_deform_attn_fused(leaves[0], shapes, start, ref, leaves[1], leaves[2])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert any("dots_mma_kernel" in k for k in names), names
+    assert not any("softmax" in k for k in names), names
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", list(KERNEL_SHAPES))
+def test_fused_kernel_backward_nan_logit_poisons_its_row(shape):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    levels, p = KERNEL_SHAPES[shape]
+    inputs = fused_inputs("cuda", torch.bfloat16, False, lq=12, d=32, p=p, levels=levels,
+                          logits_5d=True)
+    inputs[5][1, 4, 2, 0, 0] = float("nan")
+    _, _, (g_value, g_off, g_logits) = kernel_backward_grads(inputs, levels, None)
+    assert torch.isnan(g_logits[1, 4, 2]).all() and torch.isnan(g_off[1, 4, 2]).all()
+    g_logits[1, 4, 2] = 0
+    g_off[1, 4, 2] = 0
+    assert torch.isfinite(g_logits).all() and torch.isfinite(g_off).all()
+    assert torch.isfinite(g_value).all()  # a poisoned sample adds nothing to grad_value
+
+
+@pytest.mark.cuda
+def test_fused_kernel_backward_bitwise_repeatable_and_opcheck():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    levels, p = KERNEL_SHAPES["odd"]
+    inputs = fused_inputs("cuda", torch.bfloat16, True, lq=40, d=32, p=p, levels=levels)
+    runs = [kernel_backward_grads(inputs, levels, None)[2] for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    value, shapes, start, ref, off, logits = inputs
+    grad = torch.randn(value.shape[0], ref.shape[1], value.shape[2] * value.shape[3],
+                       device="cuda", dtype=value.dtype)
+    torch.library.opcheck(torch.ops.ms_deform_attn._ms_deform_attn_fused_backward.default,
+                          (grad, value, shapes, start, ref, off, logits, False),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -56,9 +56,11 @@ class MSDAFunction : public torch::autograd::Function<MSDAFunction> {
 };
 
 // The fused operator keeps its raw inputs (reference points, offsets and
-// logits as the layer made them, 16-bit under autocast) and forms the fp32
-// locations and weights again for the backward, which lives only as long
-// as the backward does.
+// logits as the layer made them, 16-bit under autocast). Its backward,
+// _ms_deform_attn_fused_backward, forms the locations and weights again
+// (inside the CUDA kernels where they serve, as ATen tensors living only as
+// long as the backward elsewhere); the reference points' gradient, when
+// asked for, comes from the ATen composition.
 class FusedFunction : public torch::autograd::Function<FusedFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& value,
@@ -83,12 +85,16 @@ class FusedFunction : public torch::autograd::Function<FusedFunction> {
     const bool deterministic = saved_deterministic(ctx);
     const at::Tensor &value = saved[0], &shapes = saved[1], &start = saved[2], &ref = saved[3],
                      &off = saved[4], &logits = saved[5];
-    const FusedSizes s = check_fused_inputs(value, shapes, ref, off, logits);
-    auto [loc, weights] = fused_locations_and_weights(shapes, ref, off, logits, s);
-    auto [grad_value, grad_loc, grad_weights] =
-        call_backward(grads[0], value, shapes, start, loc, weights, deterministic);
-    auto [grad_ref, grad_off, grad_logits] = fused_input_grads(
-        shapes, ref, off, logits, weights, grad_loc, grad_weights, s, ctx->needs_input_grad(3));
+    at::Tensor grad_value, grad_ref, grad_off, grad_logits;
+    if (ctx->needs_input_grad(3)) {
+      // The reference points' gradient sums over heads and points: ATen ops.
+      const FusedSizes s = check_fused_inputs(value, shapes, ref, off, logits);
+      std::tie(grad_value, grad_off, grad_logits, grad_ref) = fused_backward_formed(
+          s, grads[0], value, shapes, start, ref, off, logits, deterministic, /*ref_grad=*/true);
+    } else {
+      std::tie(grad_value, grad_off, grad_logits) =
+          call_fused_backward(grads[0], value, shapes, start, ref, off, logits, deterministic);
+    }
     return {grad_value, at::Tensor(), at::Tensor(), grad_ref, grad_off, grad_logits,
             at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -104,16 +104,35 @@ struct BackwardSample {
   A w = A(0);
 };
 
+template <typename A>
+__device__ __forceinline__ BackwardSample<A> make_sample(A x, A y, A w, const Level& lv) {
+  BackwardSample<A> s;
+  s.lv = lv;
+  s.w = lv.weight(w);
+  s.b = make_bilinear<A>(x, y, s.w, lv.H, lv.W);
+  return s;
+}
+
 template <typename A, typename LT>
 __device__ __forceinline__ BackwardSample<A> load_sample(const LT* loc, const LT* attn, int i,
                                                          const Level& lv) {
-  BackwardSample<A> s;
-  s.lv = lv;
   A xy[2];
   load_xy(loc + 2 * i, xy);
-  s.w = lv.weight(A(to_acc(attn[i])));
-  s.b = make_bilinear<A>(xy[0], xy[1], s.w, lv.H, lv.W);
-  return s;
+  return make_sample(xy[0], xy[1], A(to_acc(attn[i])), lv);
+}
+
+// ms_deform_attn_fused: point i of a row from its offset and logit, its
+// query's reference on the level `r` and the row's softmax max and sum
+// (the same arithmetic as the forward's FusedPoints and pack_samples').
+template <typename LT>
+__device__ __forceinline__ BackwardSample<float> load_fused_sample(const LT* off, const LT* logits,
+                                                                   int i, const Level& lv,
+                                                                   const float* r, int ref_dim, int P,
+                                                                   float max, float sum) {
+  float o[2], x, y;
+  load_xy(off + 2 * i, o);
+  fused_location(o, r, ref_dim, P, lv.W, lv.H, x, y);
+  return make_sample(x, y, fused_weight(float(to_acc(logits[i])), max, sum), lv);
 }
 
 // d out / d attention weight and d out / d (lw, lh) of sample s from its four
@@ -137,18 +156,28 @@ __device__ __forceinline__ void sample_grads(const BackwardSample<A>& s, const A
 // `group` (g summed over the group) and, on the deterministic path, its cell
 // key (nm = n M + m of the group (n, q, m), level_base = its level's first
 // cell).
+// The same with the three values given: the weight's (or logit's) gradient
+// ga and the location's (or offset's) (gx, gy).
 template <typename A, typename LT>
-__device__ __forceinline__ void write_grads(const BackwardParams& p, const BackwardSample<A>& s,
-                                            const A (&g)[3], int64_t group, int i, int64_t nm,
-                                            int64_t level_base) {
+__device__ __forceinline__ void write_sample_grads(const BackwardParams& p, const BackwardSample<A>& s,
+                                                   A ga, A gx, A gy, int64_t group, int i, int64_t nm,
+                                                   int64_t level_base) {
   const int64_t sample = group * p.pb.L * p.pb.P + i;
   if (p.cell_keys != nullptr) {
     write_key(p, sample, s.b.inside && !s.b.poisoned(), nm, level_base, s.b, s.lv.W);
   }
-  static_cast<LT*>(p.grad_attn)[sample] = from_acc<LT>(acc_t<LT>(g[0]));
+  static_cast<LT*>(p.grad_attn)[sample] = from_acc<LT>(acc_t<LT>(ga));
   LT* gloc = static_cast<LT*>(p.grad_loc) + sample * 2;
-  gloc[0] = from_acc<LT>(acc_t<LT>(s.w * g[1] * A(s.lv.W)));
-  gloc[1] = from_acc<LT>(acc_t<LT>(s.w * g[2] * A(s.lv.H)));
+  gloc[0] = from_acc<LT>(acc_t<LT>(gx));
+  gloc[1] = from_acc<LT>(acc_t<LT>(gy));
+}
+
+template <typename A, typename LT>
+__device__ __forceinline__ void write_grads(const BackwardParams& p, const BackwardSample<A>& s,
+                                            const A (&g)[3], int64_t group, int i, int64_t nm,
+                                            int64_t level_base) {
+  write_sample_grads<A, LT>(p, s, g[0], s.w * g[1] * A(s.lv.W), s.w * g[2] * A(s.lv.H), group, i,
+                            nm, level_base);
 }
 
 // kMulti: D spans more than one pass of the group's lanes (D > 32 * VEC), so
@@ -357,10 +386,34 @@ __device__ __forceinline__ uint4 load16(const char* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// Reduces v over the sample slots of each (query, head) row of a dots warp
+// task (lanes rj LPp .. rj LPp + LPp - 1), every lane getting its row's
+// result, in a fixed order: xor shuffles when LPp is a power of two (the rows
+// are then aligned segments of the warp), else through the warp's table
+// `tab`. Every lane of the warp calls it.
+template <typename Op>
+__device__ __forceinline__ float row_reduce(float v, int LPp, int lane, float* tab, Op op) {
+  if ((LPp & (LPp - 1)) == 0) {
+    for (int o = 1; o < LPp; o <<= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+  }
+  tab[lane] = v;
+  __syncwarp();
+  const int first = lane / LPp * LPp, end = min(first + LPp, 32);
+  float r = tab[first];
+  for (int j = first + 1; j < end; ++j) r = op(r, tab[j]);
+  __syncwarp();  // the table is rewritten by the next reduction
+  return r;
+}
+
 // by_lqm, by_m: division by Lq M and by M (groups below 2^31); tasks: warp
 // tasks in all. kOnePass: D == 32, one channel pass a tile, so that the
-// unrolled tiles' loads may be in flight together.
-template <typename T, typename LT, bool kOnePass>
+// unrolled tiles' loads may be in flight together. kFused
+// (ms_deform_attn_fused, p.ref set): the samples are formed from offsets and
+// logits (the row's softmax by row_reduce over its slots), the gradients
+// written are those of the offsets and logits, and each row's softmax max
+// and sum go to p.row_stats for pack_samples.
+template <typename T, typename LT, bool kOnePass, bool kFused>
 __global__ void __launch_bounds__(kThreads, 4)
     dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m,
                     const int64_t tasks) {
@@ -370,6 +423,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   __shared__ int64_t cell_base[kMaxLevels];
   __shared__ uint4 rows_tab[kDotsWarps][32];   // a slot's four corner rows of value
   __shared__ float4 dots_tab[kDotsWarps][32];  // a slot's four corner dots
+  __shared__ float red_tab[kDotsWarps][kFused ? 32 : 1];  // row_reduce's
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Pp = padded_points(pb.P), LPp = pb.L * Pp, groups = 32 / LPp;
@@ -406,9 +460,23 @@ __global__ void __launch_bounds__(kThreads, 4)
     const int i = l * pb.P + pt;
     BackwardSample<A> s;
     uint4 rows = make_uint4(0, 0, 0, 0);  // row 0: always loadable, its dots unused
+    const auto [loc, attn] = query_row<LT>(p, g32);
+    float row_max = 0.f, row_sum = 0.f;
+    const float* ref = nullptr;  // kFused: this slot's reference on its level
+    if constexpr (kFused) {
+      // Padding slots and groups past the last take no part (-inf: exp 0).
+      const float z = live ? float(to_acc(attn[i])) : -INFINITY;
+      row_max = row_reduce(z, LPp, lane, red_tab[warp], [](float a, float b) { return fmaxf(a, b); });
+      row_sum = row_reduce(expf(z - row_max), LPp, lane, red_tab[warp],
+                           [](float a, float b) { return a + b; });
+      ref = p.ref + (g32 / static_cast<uint32_t>(pb.M)) * int64_t(pb.L) * p.ref_dim + l * p.ref_dim;
+    }
     if (live) {
-      const auto [loc, attn] = query_row<LT>(p, group);
-      s = load_sample<A>(loc, attn, i, levels[l]);
+      if constexpr (kFused) {
+        s = load_fused_sample(loc, attn, i, levels[l], ref, p.ref_dim, pb.P, row_max, row_sum);
+      } else {
+        s = load_sample<A>(loc, attn, i, levels[l]);
+      }
       if (s.b.inside) {
         int pix[4];
         clamped_corners(s.b, s.lv.H, s.lv.W, pix);
@@ -466,21 +534,32 @@ __global__ void __launch_bounds__(kThreads, 4)
       }
     }
     __syncwarp();
+    A gr[3] = {A(0), A(0), A(0)};
     if (live) {
       const float4 d = dots_tab[warp][lane];
       const A dot[4] = {d.x, d.y, d.z, d.w};
-      A gr[3];
       sample_grads(s, dot, gr);
+    }
+    if constexpr (kFused) {
+      // Softmax: d logit_i = a_i (g_i - sum_j a_j g_j) over the row.
+      const float ag = row_reduce(live ? s.w * gr[0] : 0.f, LPp, lane, red_tab[warp],
+                                  [](float a, float b) { return a + b; });
+      if (live) {
+        float sx, sy;
+        fused_offset_scale(ref, p.ref_dim, pb.P, s.lv.W, s.lv.H, sx, sy);
+        write_sample_grads<A, LT>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
+                                  group, i, nm, cell_base[l]);
+        if (i == 0) reinterpret_cast<float2*>(p.row_stats)[group] = make_float2(row_max, row_sum);
+      }
+    } else if (live) {
       write_grads<A, LT>(p, s, gr, group, i, nm, cell_base[l]);
     }
     __syncwarp();  // the tables are rewritten by the next task
   }
 }
 
-// Whether dots_mma_kernel takes p's shapes and pointers (its 16-bit values
-// and the deterministic path are the callers' to ensure): D a multiple of
-// 32, at most 32 padded samples a group, value rows numbered in 32 bits,
-// groups below 2^31, 16-byte aligned value and grad_output.
+}  // namespace
+
 bool dots_mma_ok(const BackwardParams& p) {
   const Problem& pb = p.pb;
   const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
@@ -489,11 +568,15 @@ bool dots_mma_ok(const BackwardParams& p) {
          aligned(p.value) && aligned(p.grad_out);
 }
 
+namespace {
+
 template <typename T, typename LT, int VEC>
 struct DotsLaunch {
   static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (!dots_mma_ok(p)) return Launch<T, LT, VEC>::run(p, stream);
+      if (!dots_mma_ok(p)) {
+        return p.ref != nullptr ? cudaErrorInvalidValue : Launch<T, LT, VEC>::run(p, stream);
+      }
       const Problem& pb = p.pb;
       const int LPp = pb.L * padded_points(pb.P);
       const int64_t tasks = (pb.N * pb.Lq * pb.M + 32 / LPp - 1) / (32 / LPp);
@@ -505,11 +588,17 @@ struct DotsLaunch {
       const int64_t blocks = std::min<int64_t>((tasks + kDotsWarps - 1) / kDotsWarps, int64_t(d.sms) * 4);
       const FastDiv by_lqm(static_cast<uint32_t>(pb.Lq * pb.M)), by_m(static_cast<uint32_t>(pb.M));
       const unsigned grid = static_cast<unsigned>(blocks);
-      pb.D == 32 ? dots_mma_kernel<T, LT, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks)
-                 : dots_mma_kernel<T, LT, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks);
+      if (p.ref != nullptr) {
+        pb.D == 32 ? dots_mma_kernel<T, LT, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks)
+                   : dots_mma_kernel<T, LT, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks);
+      } else {
+        pb.D == 32 ? dots_mma_kernel<T, LT, true, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks)
+                   : dots_mma_kernel<T, LT, false, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks);
+      }
       return cudaGetLastError();
     } else {
-      return Launch<T, LT, VEC>::run(p, stream);
+      // The fused backward runs on tensor cores only (fused_backward_cuda).
+      return p.ref != nullptr ? cudaErrorInvalidValue : Launch<T, LT, VEC>::run(p, stream);
     }
   }
 };
@@ -530,6 +619,7 @@ bool sorted_backward_preferred(const BackwardParams& p) {
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
   if (p.grad_value_acc != nullptr) {
+    if (p.ref != nullptr) return cudaErrorInvalidValue;  // the fused backward is sorted only
     return launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/16>(p, stream);
   }
   // The deterministic path: tensor-core dots where dots_mma_ok, else the

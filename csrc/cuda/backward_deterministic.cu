@@ -82,8 +82,11 @@ __global__ void cell_starts_kernel(const K* __restrict__ sorted, int64_t items, 
 // Sorted position j -> rows[j] (the sample's (n, q, m)) and wts[j][k] =
 // attention weight * bilinear weight of corner k. Positions past the last
 // sample that touches a cell (start[cells]) hold the samples that touch
-// nothing and are skipped.
-template <typename A, typename LT, typename Id>
+// nothing and are skipped. kFused (ms_deform_attn_fused): the location and
+// weight are formed from the offset, the logit, the reference point and the
+// row's softmax statistics the dots kernel wrote, by the dots kernel's
+// arithmetic (fused_location, fused_weight).
+template <typename A, typename LT, typename Id, bool kFused>
 __global__ void __launch_bounds__(kThreads)
     pack_samples(const BackwardParams p, const Id* __restrict__ sorted_ids,
                  const int64_t* __restrict__ cell_start, int64_t cells, Id* __restrict__ rows,
@@ -97,10 +100,20 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t id = static_cast<int64_t>(sorted_ids[j]);
   const int64_t LP = int64_t(pb.L) * pb.P;
   const int64_t row = id / LP;
-  const Level lv = levels[(id - row * LP) / pb.P];
-  A xy[2];
-  load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
-  const A w = lv.weight(A(to_acc(static_cast<const LT*>(p.attn)[id])));
+  const int l = static_cast<int>((id - row * LP) / pb.P);
+  const Level lv = levels[l];
+  A xy[2], w;
+  if constexpr (kFused) {
+    float o[2];
+    load_xy(static_cast<const LT*>(p.loc) + 2 * id, o);
+    fused_location(o, p.ref + (row / pb.M * pb.L + l) * p.ref_dim, p.ref_dim, pb.P, lv.W, lv.H,
+                   xy[0], xy[1]);
+    const float2 st = reinterpret_cast<const float2*>(p.row_stats)[row];
+    w = lv.weight(fused_weight(float(to_acc(static_cast<const LT*>(p.attn)[id])), st.x, st.y));
+  } else {
+    load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
+    w = lv.weight(A(to_acc(static_cast<const LT*>(p.attn)[id])));
+  }
   // The arithmetic of the key's: the same cell, hence the same corners.
   const auto b = make_bilinear<A>(xy[0], xy[1], w, lv.H, lv.W);
   rows[j] = Id(row);
@@ -553,8 +566,15 @@ struct GatherLaunch {
     const auto* sorted = static_cast<const Id*>(b.sorted_ids);
     auto* rows = static_cast<Id*>(b.rows);
     auto* wts = static_cast<A*>(b.weights);
-    pack_samples<A, LT, Id><<<grid_for(b.items), kThreads, 0, stream>>>(p, sorted, start, b.cells,
-                                                                      rows, wts);
+    if (p.ref == nullptr) {
+      pack_samples<A, LT, Id, false><<<grid_for(b.items), kThreads, 0, stream>>>(p, sorted, start,
+                                                                                b.cells, rows, wts);
+    } else if constexpr (std::is_same_v<A, float>) {  // the fused operator: no fp64 values
+      pack_samples<A, LT, Id, true><<<grid_for(b.items), kThreads, 0, stream>>>(p, sorted, start,
+                                                                               b.cells, rows, wts);
+    } else {
+      return cudaErrorInvalidValue;
+    }
     if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
     const int64_t items = p.pb.N * p.pb.M * p.pb.S;  // pixels of the grad_value map
     if (items == 0) return cudaSuccess;

@@ -35,8 +35,18 @@ cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream);
 // Backward shared by every forward backend. grad_value_acc must be zeroed;
 // with grad_value_acc null it leaves grad_value out and (cell_keys set) writes
 // the sample keys for the deterministic path instead. p.vec: 16 bytes of the
-// accumulator with grad_value_acc, 32 without (or 1).
+// accumulator with grad_value_acc, 32 without (or 1). With p.ref set (the
+// fused operator) only the deterministic path where dots_mma_ok() runs;
+// otherwise it returns cudaErrorInvalidValue.
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
+
+// Whether the deterministic path's dots run on tensor cores for p (16-bit
+// values and the deterministic path are the caller's to ensure): D a
+// multiple of 32, at most 32 samples a (query, head) once each level's
+// points are padded to 4, value rows numbered in 32 bits, groups below
+// 2^31, 16-byte aligned value and grad_output. The fused backward
+// (p.ref set) runs only where this holds.
+bool dots_mma_ok(const BackwardParams& p);
 
 // Whether the deterministic (sorted) backward is also the faster one for p
 // (value, grad_out and pb set), as measured (benchmarks/NOTES.md): bf16

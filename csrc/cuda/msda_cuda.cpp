@@ -26,17 +26,12 @@ at::Tensor aligned(at::Tensor t, int64_t align) {
 // Locations are read as (x, y) pairs with one vector load: keep them aligned.
 at::Tensor aligned_pairs(at::Tensor t) { return aligned(t, 2 * t.element_size()); }
 
-at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                        const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                        const at::Tensor& attention_weights, c10::string_view backend,
-                        std::optional<bool> /*deterministic: the forward always is*/,
-                        at::OptionalIntArrayRef spatial_shapes_list) {
-  Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
-                               attention_weights, backend, spatial_shapes_list);
-  const c10::cuda::CUDAGuard guard(value.device());
+// Allocates the output and launches `impl`'s forward on the prepared
+// inputs; with `ref` set (ms_deform_attn_fused, baseline only) loc and attn
+// hold offsets and logits and ref the float32 reference points.
+at::Tensor launch_forward(Prepared& in, const cuda::CudaBackend& impl, const float* ref = nullptr,
+                          int ref_dim = 0) {
   const auto& pb = in.pb;
-  const cuda::CudaBackend& impl = cuda::backend_for(backend, pb, value.device().index());
-
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
   if (out.numel() == 0) return out;
   in.loc = aligned_pairs(in.loc);
@@ -44,6 +39,8 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   ForwardParams p;
   set_inputs(p, in);
   p.out = out.data_ptr();
+  p.ref = ref;
+  p.ref_dim = ref_dim;
   const int64_t elem = in.value.element_size();
   p.vec = cuda::pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.value, p.out});
   at::Tensor workspace;
@@ -61,6 +58,44 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   return out;
 }
 
+at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                        const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                        const at::Tensor& attention_weights, c10::string_view backend,
+                        std::optional<bool> /*deterministic: the forward always is*/,
+                        at::OptionalIntArrayRef spatial_shapes_list) {
+  Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
+                               attention_weights, backend, spatial_shapes_list);
+  const c10::cuda::CUDAGuard guard(value.device());
+  return launch_forward(in, cuda::backend_for(backend, in.pb, value.device().index()));
+}
+
+// The fused operator's inputs as the kernels take them: offsets and logits
+// (N, Lq, M, L, P) in one dtype (value's or float32), validated as the
+// locations and weights would be; reference points as float32.
+struct FusedPrepared {
+  FusedSizes s;
+  Prepared in;
+  at::Tensor ref;
+};
+
+FusedPrepared prepare_fused(const FusedSizes& s, const at::Tensor& value,
+                            const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                            const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
+                            const at::Tensor& attention_logits, c10::string_view backend = "auto",
+                            at::OptionalIntArrayRef spatial_shapes_list = std::nullopt) {
+  const auto vt = value.scalar_type();
+  const bool as_is = sampling_offsets.scalar_type() == attention_logits.scalar_type() &&
+                     (sampling_offsets.scalar_type() == vt ||
+                      sampling_offsets.scalar_type() == at::kFloat);
+  const at::Tensor off = as_is ? sampling_offsets : sampling_offsets.to(at::kFloat);
+  const at::Tensor logits = (as_is ? attention_logits : attention_logits.to(at::kFloat))
+                                .reshape({s.N, s.Lq, s.M, s.L, s.P});
+  return {s,
+          prepare_inputs(value, spatial_shapes, level_start_index, off, logits, backend,
+                         spatial_shapes_list),
+          reference_points.to(at::kFloat).contiguous()};
+}
+
 // ms_deform_attn_fused on CUDA: the baseline kernel forms the locations and
 // the softmax itself (nothing of size N x Lq x M x L x P is made); other
 // backends and fp64 values take the composite (fused.cpp).
@@ -74,42 +109,17 @@ at::Tensor fused_forward_cuda(const at::Tensor& value, const at::Tensor& spatial
   const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
                                           sampling_offsets, attention_logits);
   auto composite = [&] {
-    return fused_forward_composite(value, spatial_shapes, level_start_index, reference_points,
-                                   sampling_offsets, attention_logits, backend, deterministic,
-                                   spatial_shapes_list);
+    return fused_forward_formed(s, value, spatial_shapes, level_start_index, reference_points,
+                                sampling_offsets, attention_logits, backend, deterministic,
+                                spatial_shapes_list);
   };
   if (value.scalar_type() == at::kDouble) return composite();
-  // Offsets and logits in one dtype the kernels take (value's or fp32).
-  const auto vt = value.scalar_type();
-  const bool as_is = sampling_offsets.scalar_type() == attention_logits.scalar_type() &&
-                     (sampling_offsets.scalar_type() == vt ||
-                      sampling_offsets.scalar_type() == at::kFloat);
-  const at::Tensor off = as_is ? sampling_offsets : sampling_offsets.to(at::kFloat);
-  const at::Tensor logits =
-      (as_is ? attention_logits : attention_logits.to(at::kFloat)).reshape({s.N, s.Lq, s.M, s.L, s.P});
-  Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, off, logits, backend,
-                               spatial_shapes_list);
+  FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
+                                  sampling_offsets, attention_logits, backend, spatial_shapes_list);
   const c10::cuda::CUDAGuard guard(value.device());
-  const auto& pb = in.pb;
-  const cuda::CudaBackend& impl = cuda::backend_for(backend, pb, value.device().index());
+  const cuda::CudaBackend& impl = cuda::backend_for(backend, f.in.pb, value.device().index());
   if (std::string(impl.name) != "baseline") return composite();
-  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
-  if (out.numel() == 0) return out;
-  TORCH_CHECK(reference_points.device() == value.device(), "ms_deform_attn_fused: "
-              "reference_points must be on value's device ", value.device(), ", got ",
-              reference_points.device());
-  const at::Tensor ref = reference_points.to(at::kFloat).contiguous();
-  in.loc = aligned_pairs(in.loc);
-  in.value = aligned(in.value, impl.value_align);
-  ForwardParams p;
-  set_inputs(p, in);
-  p.out = out.data_ptr();
-  p.ref = ref.data_ptr<float>();
-  p.ref_dim = s.boxes ? 4 : 2;
-  const int64_t elem = in.value.element_size();
-  p.vec = cuda::pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.value, p.out});
-  C10_CUDA_CHECK(impl.forward(p, at::cuda::getCurrentCUDAStream()));
-  return out;
+  return launch_forward(f.in, impl, f.ref.data_ptr<float>(), s.boxes ? 4 : 2);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -154,6 +164,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   return {grad_value, grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
 }
 
+// The fused operator's backward on CUDA (without the reference points'
+// gradient): on the sorted path's tensor-core kernels where they serve
+// (16-bit values, dots_mma_ok, the sorted path chosen), which form the
+// locations and the softmax themselves and write the offsets' and logits'
+// gradients; elsewhere the composite (fused.cpp).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& reference_points,
+    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic) {
+  const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
+                                          sampling_offsets, attention_logits);
+  auto composite = [&] {
+    auto [grad_value, grad_off, grad_logits, unused] = fused_backward_formed(
+        s, grad_output, value, spatial_shapes, level_start_index, reference_points,
+        sampling_offsets, attention_logits, deterministic, /*ref_grad=*/false);
+    return std::tuple{grad_value, grad_off, grad_logits};
+  };
+  const auto vt = value.scalar_type();
+  if (vt != at::kBFloat16 && vt != at::kHalf) return composite();
+  FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
+                                  sampling_offsets, attention_logits);
+  Prepared& in = f.in;
+  const c10::cuda::CUDAGuard guard(value.device());
+  const auto& pb = in.pb;
+  check_grad_output(grad_output, pb, value);
+  const at::Tensor gout = grad_output.contiguous();
+  in.loc = aligned_pairs(in.loc);
+  BackwardParams p;
+  set_inputs(p, in);
+  p.grad_out = gout.data_ptr();
+  if (!(deterministic || cuda::sorted_backward_preferred(p)) || !cuda::dots_mma_ok(p) ||
+      pb.N * pb.Lq * pb.M == 0) {
+    return composite();
+  }
+  auto grad_off = new_output(in.loc.sizes(), in.loc.options());
+  auto grad_logits = new_output(in.attn.sizes(), in.attn.options());
+  const at::Tensor row_stats = at::empty({pb.N * pb.Lq * pb.M, 2}, in.loc.options().dtype(at::kFloat));
+  p.grad_loc = grad_off.data_ptr();
+  p.grad_attn = grad_logits.data_ptr();
+  p.ref = f.ref.data_ptr<float>();
+  p.ref_dim = s.boxes ? 4 : 2;
+  p.row_stats = row_stats.data_ptr<float>();
+  p.vec = cuda::pick_vec(pb.D, in.value.element_size(), 8, {p.value, p.grad_out});
+  at::Tensor grad_value = cuda::deterministic_grad_value(p, in, at::cuda::getCurrentCUDAStream());
+  return {grad_value, grad_off.to(sampling_offsets.scalar_type()),
+          grad_logits.to(attention_logits.scalar_type()).view(attention_logits.sizes())};
+}
+
 }  // namespace
 }  // namespace msda
 
@@ -161,4 +219,5 @@ TORCH_LIBRARY_IMPL(ms_deform_attn, CUDA, m) {
   m.impl("ms_deform_attn", &msda::forward_cuda);
   m.impl("_ms_deform_attn_backward", &msda::backward_cuda);
   m.impl("ms_deform_attn_fused", &msda::fused_forward_cuda);
+  m.impl("_ms_deform_attn_fused_backward", &msda::fused_backward_cuda);
 }

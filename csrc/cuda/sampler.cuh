@@ -219,17 +219,10 @@ struct FusedPoints {
   float max, sum;
   template <typename A>
   __device__ __forceinline__ void load(const Level& lv, int l, int i, A& x, A& y, A& w) const {
-    A o[2];
+    float o[2];
     load_xy(off + 2 * i, o);
-    const float* r = ref + l * ref_dim;
-    if (ref_dim == 4) {
-      x = r[0] + o[0] / A(P) * r[2] * A(0.5);
-      y = r[1] + o[1] / A(P) * r[3] * A(0.5);
-    } else {
-      x = r[0] + o[0] / A(lv.W);
-      y = r[1] + o[1] / A(lv.H);
-    }
-    w = expf(float(to_acc(logits[i])) - max) / sum;
+    fused_location(o, ref + l * ref_dim, ref_dim, P, lv.W, lv.H, x, y);
+    w = fused_weight(float(to_acc(logits[i])), max, sum);
   }
 };
 
