@@ -18,7 +18,8 @@ Implementations:
                 path, the same weights
   swapped       that layer after ms_deform_attn.hf.swap_msda
 For each: median step time (CUDA events around an eager step on a GPU, so
-the host's launch gaps count; wall clock on the CPU), the bytes the layer
+the host's launch gaps count; wall clock on the CPU; gradients set to None
+before each step, as optimizer.zero_grad() does), the bytes the layer
 keeps for its backward (saved tensors, counted with
 torch.autograd.graph.saved_tensors_hooks), and on a GPU the peak memory of
 a step of --encoder-layers stacked layers (residual connections). On a GPU,
@@ -177,7 +178,13 @@ def bench_layer(args) -> List[Dict]:
                     with _autocast(device, dname, cache):
                         return call_layer(layer, q_in, f_in, ref, shapes, start, levels)
 
-                def step(forward=forward):
+                params = [p for p in layer.parameters() if p.requires_grad]
+
+                def step(forward=forward, leaves=[q_in, f_in] + params):
+                    # Fresh gradients each step, as optimizer.zero_grad() leaves
+                    # them (None): no accumulation into last step's.
+                    for t in leaves:
+                        t.grad = None
                     out = forward()
                     torch.autograd.backward(out, grad.to(out.dtype))
 
@@ -189,7 +196,7 @@ def bench_layer(args) -> List[Dict]:
                     # GPU time without the host's launch gaps: the gradients
                     # of the inputs and weights as fresh tensors (no .grad
                     # accumulation inside the graph).
-                    leaves = [q_in, f_in] + [p for p in layer.parameters() if p.requires_grad]
+                    leaves = [q_in, f_in] + params
                     for t in leaves:
                         t.grad = None
                     g_forward = functools.partial(forward, cache=False)

@@ -66,8 +66,8 @@ struct BackwardParams {
   // ms_deform_attn_fused (the sorted path only): with ref set, loc holds the
   // sampling offsets and attn the attention logits, as in ForwardParams;
   // grad_loc and grad_attn receive the gradients of those, and row_stats
-  // (N, Lq, M) the (max, sum of exp) of each row's softmax, which the dots
-  // kernel writes for the kernels after it.
+  // (N, Lq, M) the (max, 1 / sum of exp) of each row's softmax, which the
+  // dots kernel writes for the kernels after it.
   const float* ref = nullptr;
   int ref_dim = 0;
   float* row_stats = nullptr;  // 2 floats a row

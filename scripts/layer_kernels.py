@@ -24,7 +24,11 @@ query, flat, ref, shapes, start, grad = B.layer_inputs(wl, 256, "cuda")
 for impl in impls:
     layer = B.make_layer(impl, wl, 256, "cuda")
 
+    leaves = [query, flat] + list(layer.parameters())
+
     def step():
+        for t in leaves:  # fresh gradients, as optimizer.zero_grad() leaves them
+            t.grad = None
         with B._autocast("cuda", dname):
             out = B.call_layer(layer, query, flat, ref, shapes, start, levels)
         torch.autograd.backward(out, grad.to(out.dtype))

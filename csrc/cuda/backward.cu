@@ -122,17 +122,18 @@ __device__ __forceinline__ BackwardSample<A> load_sample(const LT* loc, const LT
 }
 
 // ms_deform_attn_fused: point i of a row from its offset and logit, its
-// query's reference on the level `r` and the row's softmax max and sum
+// query's reference on the level `r` and the row's softmax max and 1 / sum
 // (the same arithmetic as the forward's FusedPoints and pack_samples').
 template <typename LT>
 __device__ __forceinline__ BackwardSample<float> load_fused_sample(const LT* off, const LT* logits,
                                                                    int i, const Level& lv,
-                                                                   const float* r, int ref_dim, int P,
-                                                                   float max, float sum) {
+                                                                   const float* r, int ref_dim,
+                                                                   float half_p, float max,
+                                                                   float inv_sum) {
   float o[2], x, y;
   load_xy(off + 2 * i, o);
-  fused_location(o, r, ref_dim, P, lv.W, lv.H, x, y);
-  return make_sample(x, y, fused_weight(float(to_acc(logits[i])), max, sum), lv);
+  fused_location(o, r, ref_dim, half_p, lv, x, y);
+  return make_sample(x, y, fused_weight(float(to_acc(logits[i])), max, inv_sum), lv);
 }
 
 // d out / d attention weight and d out / d (lw, lh) of sample s from its four
@@ -412,7 +413,7 @@ __device__ __forceinline__ float row_reduce(float v, int LPp, int lane, float* t
 // (ms_deform_attn_fused, p.ref set): the samples are formed from offsets and
 // logits (the row's softmax by row_reduce over its slots), the gradients
 // written are those of the offsets and logits, and each row's softmax max
-// and sum go to p.row_stats for pack_samples.
+// and reciprocal sum go to p.row_stats for pack_samples.
 template <typename T, typename LT, bool kOnePass, bool kFused>
 __global__ void __launch_bounds__(kThreads, 4)
     dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m,
@@ -430,6 +431,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   const int rj = lane / LPp, l = (lane % LPp) / Pp, pt = (lane % LPp) % Pp;
   const bool slot_ok = lane < groups * LPp && pt < pb.P;
   const int g = lane >> 2, t = lane & 3;
+  const float half_p = 0.5f / float(pb.P);  // kFused, boxes
   const int64_t G = pb.N * pb.Lq * pb.M;
   const uint32_t last_group = static_cast<uint32_t>(G - 1);  // G < 2^31 (dots_mma_ok)
   // B holds four groups: tiles 0-7 (slots 0-15) those from the task's first,
@@ -461,19 +463,19 @@ __global__ void __launch_bounds__(kThreads, 4)
     BackwardSample<A> s;
     uint4 rows = make_uint4(0, 0, 0, 0);  // row 0: always loadable, its dots unused
     const auto [loc, attn] = query_row<LT>(p, g32);
-    float row_max = 0.f, row_sum = 0.f;
+    float row_max = 0.f, row_inv = 0.f;
     const float* ref = nullptr;  // kFused: this slot's reference on its level
     if constexpr (kFused) {
       // Padding slots and groups past the last take no part (-inf: exp 0).
       const float z = live ? float(to_acc(attn[i])) : -INFINITY;
       row_max = row_reduce(z, LPp, lane, red_tab[warp], [](float a, float b) { return fmaxf(a, b); });
-      row_sum = row_reduce(expf(z - row_max), LPp, lane, red_tab[warp],
-                           [](float a, float b) { return a + b; });
+      row_inv = 1.f / row_reduce(expf(z - row_max), LPp, lane, red_tab[warp],
+                                 [](float a, float b) { return a + b; });
       ref = p.ref + (g32 / static_cast<uint32_t>(pb.M)) * int64_t(pb.L) * p.ref_dim + l * p.ref_dim;
     }
     if (live) {
       if constexpr (kFused) {
-        s = load_fused_sample(loc, attn, i, levels[l], ref, p.ref_dim, pb.P, row_max, row_sum);
+        s = load_fused_sample(loc, attn, i, levels[l], ref, p.ref_dim, half_p, row_max, row_inv);
       } else {
         s = load_sample<A>(loc, attn, i, levels[l]);
       }
@@ -546,10 +548,10 @@ __global__ void __launch_bounds__(kThreads, 4)
                                   [](float a, float b) { return a + b; });
       if (live) {
         float sx, sy;
-        fused_offset_scale(ref, p.ref_dim, pb.P, s.lv.W, s.lv.H, sx, sy);
+        fused_offset_scale(ref, p.ref_dim, half_p, s.lv, sx, sy);
         write_sample_grads<A, LT>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
                                   group, i, nm, cell_base[l]);
-        if (i == 0) reinterpret_cast<float2*>(p.row_stats)[group] = make_float2(row_max, row_sum);
+        if (i == 0) reinterpret_cast<float2*>(p.row_stats)[group] = make_float2(row_max, row_inv);
       }
     } else if (live) {
       write_grads<A, LT>(p, s, gr, group, i, nm, cell_base[l]);

@@ -106,8 +106,8 @@ __global__ void __launch_bounds__(kThreads)
   if constexpr (kFused) {
     float o[2];
     load_xy(static_cast<const LT*>(p.loc) + 2 * id, o);
-    fused_location(o, p.ref + (row / pb.M * pb.L + l) * p.ref_dim, p.ref_dim, pb.P, lv.W, lv.H,
-                   xy[0], xy[1]);
+    fused_location(o, p.ref + (row / pb.M * pb.L + l) * p.ref_dim, p.ref_dim, 0.5f / float(pb.P),
+                   lv, xy[0], xy[1]);
     const float2 st = reinterpret_cast<const float2*>(p.row_stats)[row];
     w = lv.weight(fused_weight(float(to_acc(static_cast<const LT*>(p.attn)[id])), st.x, st.y));
   } else {

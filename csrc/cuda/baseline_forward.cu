@@ -41,11 +41,11 @@ __global__ void __launch_bounds__(kThreads, 4)
   };
   const CornerSlots<A> slots(slot_mem, kThreads);
   if constexpr (kFused) {
-    float max, sum;
-    row_softmax(attn, pb.L * pb.P, group_lanes(lane, lanes), max, sum);
+    float max, inv_sum;
+    row_softmax(attn, pb.L * pb.P, group_lanes(lane, lanes), max, inv_sum);
     const float* ref = p.ref + (group / pb.M) * pb.L * p.ref_dim;  // its (n, q)
-    forward_row_points<T, VEC>(pb, levels, FusedPoints<LT>{loc, attn, ref, p.ref_dim, pb.P, max, sum},
-                               out, lane, lanes, slots, with_fetch);
+    const FusedPoints<LT> pts{loc, attn, ref, p.ref_dim, 0.5f / float(pb.P), max, inv_sum};
+    forward_row_points<T, VEC>(pb, levels, pts, out, lane, lanes, slots, with_fetch);
   } else {
     forward_row<T, LT, VEC>(pb, levels, loc, attn, out, lane, lanes, slots, with_fetch);
   }

@@ -191,41 +191,6 @@ __device__ __forceinline__ QueryRow<LT> query_row(const Params& p, int64_t group
   return {static_cast<const LT*>(p.loc) + group * LP * 2, static_cast<const LT*>(p.attn) + group * LP};
 }
 
-// ---- ms_deform_attn_fused: locations and weights formed in the kernels ------
-// The location of a point from its sampling offset `o` (pixels for points,
-// units of half the box over P for boxes) and its query's reference `r` on
-// its level (ref_dim 2: (x, y); 4: (cx, cy, w, h)), in the order of the
-// composite's operations (csrc/fused.cpp). Rounded operations, never fused
-// into FMAs, so that every kernel that forms a location gets the same bits
-// (the sorted backward finds a sample's cell twice).
-__device__ __forceinline__ void fused_location(const float (&o)[2], const float* r, int ref_dim,
-                                               int P, int W, int H, float& x, float& y) {
-  if (ref_dim == 4) {
-    x = __fadd_rn(r[0], __fmul_rn(__fmul_rn(__fdiv_rn(o[0], float(P)), r[2]), 0.5f));
-    y = __fadd_rn(r[1], __fmul_rn(__fmul_rn(__fdiv_rn(o[1], float(P)), r[3]), 0.5f));
-  } else {
-    x = __fadd_rn(r[0], __fdiv_rn(o[0], float(W)));
-    y = __fadd_rn(r[1], __fdiv_rn(o[1], float(H)));
-  }
-}
-
-// d location / d offset of fused_location, times W (H): what the kernels'
-// d out / d (W x) turns into the offset's gradient.
-__device__ __forceinline__ void fused_offset_scale(const float* r, int ref_dim, int P, int W, int H,
-                                                   float& sx, float& sy) {
-  if (ref_dim == 4) {
-    sx = float(W) * r[2] * 0.5f / float(P);
-    sy = float(H) * r[3] * 0.5f / float(P);
-  } else {
-    sx = sy = 1.f;  // (1 / W) x W
-  }
-}
-
-// Softmax weight of a logit given its row's max and sum of exp(logit - max).
-__device__ __forceinline__ float fused_weight(float z, float max, float sum) {
-  return __fdiv_rn(expf(z - max), sum);
-}
-
 // ---- level metadata --------------------------------------------------------
 // poison: the level table on the device is inconsistent (see load_levels);
 // every sample then counts as poisoned (sampling.h), on a 1 x 1 level at
@@ -273,6 +238,44 @@ __device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
   const int64_t total = __shfl_sync(0xffffffffu, end, L - 1);
   const bool ok = __all_sync(0xffffffffu, dims_ok && start_ok) && total == S;
   if (l < L) lv[l] = ok ? Level{int(H), int(W), st, false} : Level{1, 1, 0, true};
+}
+
+// ---- ms_deform_attn_fused: locations and weights formed in the kernels ------
+// The location of a point from its sampling offset `o` (pixels for points,
+// units of half the box over P for boxes) and its query's reference `r` on
+// its level lv (ref_dim 2: (x, y); 4: (cx, cy, w, h)): r + o / (W, H), or
+// r_xy + o * r_wh * half_p with half_p = 0.5 / P, as multiplications by the
+// level's reciprocals (within an ulp or two of the composite's divisions,
+// csrc/fused.cpp). Explicitly rounded operations, so that every kernel that
+// forms a location gets the same bits (the sorted backward finds a sample's
+// cell twice).
+__device__ __forceinline__ void fused_location(const float (&o)[2], const float* r, int ref_dim,
+                                               float half_p, const Level& lv, float& x, float& y) {
+  if (ref_dim == 4) {
+    x = __fmaf_rn(o[0], __fmul_rn(r[2], half_p), r[0]);
+    y = __fmaf_rn(o[1], __fmul_rn(r[3], half_p), r[1]);
+  } else {
+    x = __fmaf_rn(o[0], __frcp_rn(float(lv.W)), r[0]);
+    y = __fmaf_rn(o[1], __frcp_rn(float(lv.H)), r[1]);
+  }
+}
+
+// d location / d offset of fused_location, times W (H): what the kernels'
+// d out / d (W x) turns into the offset's gradient.
+__device__ __forceinline__ void fused_offset_scale(const float* r, int ref_dim, float half_p,
+                                                   const Level& lv, float& sx, float& sy) {
+  if (ref_dim == 4) {
+    sx = float(lv.W) * r[2] * half_p;
+    sy = float(lv.H) * r[3] * half_p;
+  } else {
+    sx = sy = 1.f;  // (1 / W) x W
+  }
+}
+
+// Softmax weight of a logit given its row's max and the reciprocal of its
+// sum of exp(logit - max).
+__device__ __forceinline__ float fused_weight(float z, float max, float inv_sum) {
+  return __fmul_rn(expf(z - max), inv_sum);
 }
 
 // ---- cells (deterministic backward) ---------------------------------------

@@ -215,29 +215,32 @@ struct FusedPoints {
   const LT* off;
   const LT* logits;
   const float* ref;
-  int ref_dim, P;
-  float max, sum;
+  int ref_dim;
+  float half_p;        // 0.5 / P
+  float max, inv_sum;  // the row's softmax: row_softmax()
   template <typename A>
   __device__ __forceinline__ void load(const Level& lv, int l, int i, A& x, A& y, A& w) const {
     float o[2];
     load_xy(off + 2 * i, o);
-    fused_location(o, ref + l * ref_dim, ref_dim, P, lv.W, lv.H, x, y);
-    w = fused_weight(float(to_acc(logits[i])), max, sum);
+    fused_location(o, ref + l * ref_dim, ref_dim, half_p, lv, x, y);
+    w = fused_weight(float(to_acc(logits[i])), max, inv_sum);
   }
 };
 
-// Max and sum of exp(logit - max) over a row's `count` logits, by the
-// group's lanes (every lane gets both). A NaN logit makes the sum NaN, so
-// every weight of the row is NaN (poisoned), as with torch.softmax.
+// Max and the reciprocal of the sum of exp(logit - max) over a row's
+// `count` logits, by the group's lanes (every lane gets both). A NaN logit
+// makes the sum NaN, so every weight of the row is NaN (poisoned), as with
+// torch.softmax.
 template <typename LT, typename Lanes>
 __device__ __forceinline__ void row_softmax(const LT* logits, int count, const Lanes& g, float& max,
-                                            float& sum) {
+                                            float& inv_sum) {
   max = -INFINITY;
   for (int i = g.lane; i < count; i += g.lanes) max = fmaxf(max, float(to_acc(logits[i])));
   for (int o = 1; o < g.lanes; o <<= 1) max = fmaxf(max, __shfl_xor_sync(g.mask, max, o));
-  sum = 0.f;
+  float sum = 0.f;
   for (int i = g.lane; i < count; i += g.lanes) sum += expf(float(to_acc(logits[i])) - max);
   for (int o = 1; o < g.lanes; o <<= 1) sum += __shfl_xor_sync(g.mask, sum, o);
+  inv_sum = 1.f / sum;
 }
 
 // The P points of level l of one (query, head) row, added into acc (this
