@@ -9,10 +9,12 @@ Layer: one multi-scale deformable attention layer of d_model 256 (8 heads,
 4 points, the workload's levels), forward + backward of the layer's output
 against a random gradient, queries and flattened features requiring grad.
 Implementations:
-  ours          ms_deform_attn.nn.MSDeformAttn (backend "auto"; locations and
-                softmax as separate PyTorch ops before ms_deform_attn)
+  ours          ms_deform_attn.nn.MSDeformAttn(fused=False) (backend "auto";
+                locations and softmax as separate PyTorch ops before
+                ms_deform_attn; the module's default for fp32 values)
   fused         the same module with fused=True: locations and softmax inside
-                the operator (ms_deform_attn_fused)
+                the operator (ms_deform_attn_fused; the module's default for
+                bf16 values, autocast included)
   pytorch       the same module on the grid_sample reference
   transformers  transformers' DeformableDetrMultiscaleDeformableAttention on its own
                 path, the same weights
@@ -92,7 +94,7 @@ def make_layer(impl: str, wl: W.Workload, d_model: int, device: str) -> torch.nn
     """The layer of `impl`, with the weights of MSDeformAttn under seed 0."""
     torch.manual_seed(0)
     n_levels = len(wl.levels)
-    base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto")
+    base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto", fused=False)
     if impl == "ours":
         return base.to(device)
     if impl == "fused":

@@ -219,12 +219,13 @@ def test_fused_takes_non_contiguous_inputs(device, backend):
 
 
 # ---- the backward inside the CUDA kernels ---------------------------------------
-# With 16-bit values, D a multiple of 32 and the sorted backward (the bf16
-# default on dense problems, or deterministic=True), the fused backward forms
-# the locations and the softmax inside the sorted path's kernels and writes
-# the offsets' and logits' gradients itself. Levels x points: 2 x 3 (rows of
-# 8 slots once padded, reduced by shuffles), 3 x 4 (12 slots, through shared
-# memory), 1 x 1.
+# The fused backward forms the locations and the softmax inside the kernels
+# and writes the offsets' and logits' gradients itself: on the sorted path's
+# tensor-core dots (16-bit values, D a multiple of 32, the bf16 default on
+# dense problems or deterministic=True), else in backward_kernel (fp32
+# values; 16-bit values on the atomic path). Levels x points: 2 x 3 (rows of
+# 8 slots once padded, reduced by shuffles in the dots kernel), 3 x 4 (12
+# slots, through shared memory), 1 x 1 (sparse: bf16 takes the atomics).
 KERNEL_SHAPES = {"pow2": ([(6, 7), (3, 4)], 3), "odd": ([(6, 7), (3, 4), (2, 2)], 4),
                  "single": ([(5, 9)], 1)}
 
@@ -242,8 +243,9 @@ def kernel_backward_grads(inputs, levels, deterministic, **kw):
 @pytest.mark.parametrize("shape", list(KERNEL_SHAPES))
 @pytest.mark.parametrize("d", [32, 64])
 @pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
-@pytest.mark.parametrize("dtype,deterministic", [(torch.bfloat16, None), (torch.bfloat16, True),
-                                                 (torch.float16, True)])
+@pytest.mark.parametrize("dtype,deterministic", [
+    (torch.bfloat16, None), (torch.bfloat16, True), (torch.float16, True), (torch.float16, None),
+    (torch.float32, None), (torch.float32, True)])
 def test_fused_kernel_backward_matches_reference(shape, d, boxes, dtype, deterministic):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
@@ -263,13 +265,15 @@ def test_fused_kernel_backward_matches_reference(shape, d, boxes, dtype, determi
 
 
 @pytest.mark.cuda
-def test_fused_kernel_backward_runs_in_the_kernels():
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "dots_mma_kernel"),
+                                          (torch.float32, "backward_kernel")])
+def test_fused_kernel_backward_runs_in_the_kernels(dtype, kernel):
     """No softmax nor its backward among the kernels the backward launches
     (the composite path forms them with ATen's)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     levels, p = KERNEL_SHAPES["pow2"]
-    inputs = fused_inputs("cuda", torch.bfloat16, False, lq=12, d=32, p=p, levels=levels)
+    inputs = fused_inputs("cuda", dtype, False, lq=12, d=32, p=p, levels=levels)
     value, shapes, start, ref, off, logits = inputs
     leaves = [t.detach().requires_grad_() for t in (value, off, logits)]
     out = msda.ms_deform_attn_fused(leaves[0], shapes, start, ref, leaves[1], leaves[2])
@@ -277,17 +281,18 @@ def test_fused_kernel_backward_runs_in_the_kernels():
         torch.autograd.grad(out, leaves, torch.ones_like(out))
         torch.cuda.synchronize()
     names = [e.key for e in prof.key_averages()]
-    assert any("dots_mma_kernel" in k for k in names), names
+    assert any(kernel in k for k in names), names
     assert not any("softmax" in k for k in names), names
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape", list(KERNEL_SHAPES))
-def test_fused_kernel_backward_nan_logit_poisons_its_row(shape):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_kernel_backward_nan_logit_poisons_its_row(shape, dtype):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     levels, p = KERNEL_SHAPES[shape]
-    inputs = fused_inputs("cuda", torch.bfloat16, False, lq=12, d=32, p=p, levels=levels,
+    inputs = fused_inputs("cuda", dtype, False, lq=12, d=32, p=p, levels=levels,
                           logits_5d=True)
     inputs[5][1, 4, 2, 0, 0] = float("nan")
     _, _, (g_value, g_off, g_logits) = kernel_backward_grads(inputs, levels, None)
@@ -299,12 +304,13 @@ def test_fused_kernel_backward_nan_logit_poisons_its_row(shape):
 
 
 @pytest.mark.cuda
-def test_fused_kernel_backward_bitwise_repeatable_and_opcheck():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_kernel_backward_bitwise_repeatable_and_opcheck(dtype):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     levels, p = KERNEL_SHAPES["odd"]
-    inputs = fused_inputs("cuda", torch.bfloat16, True, lq=40, d=32, p=p, levels=levels)
-    runs = [kernel_backward_grads(inputs, levels, None)[2] for _ in range(2)]
+    inputs = fused_inputs("cuda", dtype, True, lq=40, d=32, p=p, levels=levels)
+    runs = [kernel_backward_grads(inputs, levels, True)[2] for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     value, shapes, start, ref, off, logits = inputs

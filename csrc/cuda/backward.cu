@@ -195,7 +195,15 @@ __device__ __forceinline__ void write_grads(const BackwardParams& p, const Backw
 // sample itself and the group sums the three gradients, which keeps the
 // samples of a lane independent of the other lanes' (measured faster there:
 // fewer registers, no resolve-then-gather chain; benchmarks/NOTES.md).
-template <typename T, typename LT, int VEC, bool kMulti, bool kShared>
+//
+// kFused (ms_deform_attn_fused, p.ref set; float accumulation, a task a
+// whole row): the group forms the row's softmax (row_softmax) and each
+// sample's location and weight from offsets and logits; it writes the
+// offsets' gradients and, in a second pass once the row's sum of a_j g_j is
+// known, the logits' a_i (g_i - sum_j a_j g_j), both into float32 buffers;
+// with p.row_stats set (the sorted path) also each row's softmax max and
+// reciprocal sum for pack_samples.
+template <typename T, typename LT, int VEC, bool kMulti, bool kShared, bool kFused = false>
 __global__ void __launch_bounds__(kThreads)
     backward_kernel(const BackwardParams p, const int lanes, const int chunk) {
   using A = acc_t<T>;
@@ -227,6 +235,35 @@ __global__ void __launch_bounds__(kThreads)
   A* gvbase = value_grad ? static_cast<A*>(p.grad_value_acc) + vrow0 : nullptr;
   const auto [loc, attn] = query_row<LT>(p, group);
   const T* gout = static_cast<const T*>(p.grad_out) + group * pb.D;
+  // kFused: the row's softmax, its query's reference points, and this
+  // lane's part of sum_j a_j g_j.
+  float row_max = 0.f, row_inv = 0.f, ag = 0.f;
+  const float half_p = 0.5f / float(pb.P);
+  const float* ref = nullptr;
+  if constexpr (kFused) {
+    row_softmax(attn, active ? static_cast<int>(LP) : 0, group_lanes(lane, lanes), row_max, row_inv);
+    ref = p.ref + (active ? group / pb.M : 0) * pb.L * p.ref_dim;
+  }
+  auto load = [&](int i, int l) {
+    if constexpr (kFused) {
+      return load_fused_sample(loc, attn, i, levels[l], ref + l * p.ref_dim, p.ref_dim, half_p,
+                               row_max, row_inv);
+    } else {
+      return load_sample<A>(loc, attn, i, levels[l]);
+    }
+  };
+  auto write = [&](const BackwardSample<A>& s, const A (&gr)[3], int i, int l) {
+    const int64_t base = keys ? cell_base[l] : 0;
+    if constexpr (kFused) {
+      float sx, sy;
+      fused_offset_scale(ref + l * p.ref_dim, p.ref_dim, half_p, s.lv, sx, sy);
+      write_sample_grads<A, float>(p, s, gr[0], s.w * gr[1] * sx, s.w * gr[2] * sy, group, i,
+                                   n * pb.M + m, base);
+      ag += s.w * gr[0];
+    } else {
+      write_grads<A, LT>(p, s, gr, group, i, n * pb.M + m, base);
+    }
+  };
 
   const int64_t c0 = int64_t(lane) * VEC;
   const int64_t cstep = int64_t(lanes) * VEC;
@@ -262,7 +299,7 @@ __global__ void __launch_bounds__(kThreads)
       const bool live = active && lane < R && i < i1;
       const int l = i / pb.P;
       BackwardSample<A> s;
-      if (live) s = load_sample<A>(loc, attn, i, levels[l]);
+      if (live) s = load(i, l);
       if (lane < R) {
         Corners<A> c{{kNoSample, kNoSample, kNoSample, kNoSample}, {A(0), A(0), A(0), A(0)}};
         if (s.b.inside) c = backward_corners(s.b, s.lv, s.w);
@@ -288,7 +325,7 @@ __global__ void __launch_bounds__(kThreads)
       if (live) {
         A gr[3];
         sample_grads(s, mine, gr);
-        write_grads<A, LT>(p, s, gr, group, i, n * pb.M + m, keys ? cell_base[l] : 0);
+        write(s, gr, i, l);
       }
     }
   } else {
@@ -299,14 +336,28 @@ __global__ void __launch_bounds__(kThreads)
       if (i == (l + 1) * pb.P && l + 1 < pb.L) ++l;  // level-major: at most one step a sample
       const bool live = active && i < i1;
       BackwardSample<A> s;
-      if (live) s = load_sample<A>(loc, attn, i, levels[l]);
+      if (live) s = load(i, l);
       A dot[4] = {A(0), A(0), A(0), A(0)};
       if (s.b.inside) gather(backward_corners(s.b, s.lv, s.w), l, dot);
       A gr[3];
       sample_grads(s, dot, gr);
       group_sum(gr, lanes);
-      if (live && lane == 0) {
-        write_grads<A, LT>(p, s, gr, group, i, n * pb.M + m, keys ? cell_base[l] : 0);
+      if (live && lane == 0) write(s, gr, i, l);
+    }
+  }
+  if constexpr (kFused) {
+    // Softmax: the first pass left g_i in grad_attn; now a_i (g_i - sum).
+    A sum_ag[1] = {ag};
+    group_sum(sum_ag, lanes);
+    __syncwarp();  // the group's writes of g_i, visible to its lanes
+    if (active) {
+      float* ga = static_cast<float*>(p.grad_attn) + group * LP;
+      for (int i = i0 + lane; i < i1; i += lanes) {
+        const float a = levels[i / pb.P].weight(fused_weight(float(to_acc(attn[i])), row_max, row_inv));
+        ga[i] = a * (ga[i] - sum_ag[0]);
+      }
+      if (p.row_stats != nullptr && lane == 0) {
+        reinterpret_cast<float2*>(p.row_stats)[group] = make_float2(row_max, row_inv);
       }
     }
   }
@@ -337,6 +388,7 @@ template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
     const int lanes = lanes_for(p.pb.D, VEC);
+    if (p.ref != nullptr) return run_fused(p, stream, lanes);
     const int chunk = samples_per_task(p.pb, lanes);
     const int64_t LP = int64_t(p.pb.L) * p.pb.P;
     const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * ((LP + chunk - 1) / chunk) * lanes;
@@ -354,6 +406,21 @@ struct Launch {
              : backward_kernel<T, LT, VEC, false, false><<<grid, kThreads, 0, stream>>>(p, lanes, chunk);
     }
     return cudaGetLastError();
+  }
+
+  // The fused operator: a task a whole row (the softmax needs it), vector
+  // accesses, one channel pass (fused_kernels_ok); float accumulation.
+  static cudaError_t run_fused(const BackwardParams& p, cudaStream_t stream, int lanes) {
+    if constexpr (std::is_same_v<acc_t<T>, float> && VEC > 1) {
+      const int LP = p.pb.L * p.pb.P;
+      if (p.pb.D > int64_t(lanes) * VEC) return cudaErrorInvalidValue;
+      const unsigned grid = grid_for(p.pb.N * p.pb.Lq * p.pb.M * lanes);
+      LP >= round_width(lanes)
+          ? backward_kernel<T, LT, VEC, false, true, true><<<grid, kThreads, 0, stream>>>(p, lanes, LP)
+          : backward_kernel<T, LT, VEC, false, false, true><<<grid, kThreads, 0, stream>>>(p, lanes, LP);
+      return cudaGetLastError();
+    }
+    return cudaErrorInvalidValue;
   }
 };
 
@@ -576,9 +643,7 @@ template <typename T, typename LT, int VEC>
 struct DotsLaunch {
   static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (!dots_mma_ok(p)) {
-        return p.ref != nullptr ? cudaErrorInvalidValue : Launch<T, LT, VEC>::run(p, stream);
-      }
+      if (!dots_mma_ok(p)) return Launch<T, LT, VEC>::run(p, stream);
       const Problem& pb = p.pb;
       const int LPp = pb.L * padded_points(pb.P);
       const int64_t tasks = (pb.N * pb.Lq * pb.M + 32 / LPp - 1) / (32 / LPp);
@@ -599,8 +664,7 @@ struct DotsLaunch {
       }
       return cudaGetLastError();
     } else {
-      // The fused backward runs on tensor cores only (fused_backward_cuda).
-      return p.ref != nullptr ? cudaErrorInvalidValue : Launch<T, LT, VEC>::run(p, stream);
+      return Launch<T, LT, VEC>::run(p, stream);
     }
   }
 };
@@ -621,7 +685,6 @@ bool sorted_backward_preferred(const BackwardParams& p) {
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {
   if (p.grad_value_acc != nullptr) {
-    if (p.ref != nullptr) return cudaErrorInvalidValue;  // the fused backward is sorted only
     return launch_for_dtypes<Launch, /*kVecOfAcc=*/true, /*kVecBytes=*/16>(p, stream);
   }
   // The deterministic path: tensor-core dots where dots_mma_ok, else the

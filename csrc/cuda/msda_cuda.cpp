@@ -165,10 +165,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
 }
 
 // The fused operator's backward on CUDA (without the reference points'
-// gradient): on the sorted path's tensor-core kernels where they serve
-// (16-bit values, dots_mma_ok, the sorted path chosen), which form the
-// locations and the softmax themselves and write the offsets' and logits'
-// gradients; elsewhere the composite (fused.cpp).
+// gradient): its kernels form the locations and the softmax themselves and
+// write the offsets' and logits' gradients: the sorted path's tensor-core
+// dots (16-bit values where dots_mma_ok; gradients in the offsets' dtype),
+// else backward_kernel (sorted or with atomics; float32 gradients, then
+// converted), where it takes a whole row a task with vector accesses in one
+// channel pass. Elsewhere (fp64 values, odd D) the composite (fused.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& reference_points,
@@ -182,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
     return std::tuple{grad_value, grad_off, grad_logits};
   };
   const auto vt = value.scalar_type();
-  if (vt != at::kBFloat16 && vt != at::kHalf) return composite();
+  if (vt == at::kDouble) return composite();
   FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
                                   sampling_offsets, attention_logits);
   Prepared& in = f.in;
@@ -194,20 +196,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
   BackwardParams p;
   set_inputs(p, in);
   p.grad_out = gout.data_ptr();
-  if (!(deterministic || cuda::sorted_backward_preferred(p)) || !cuda::dots_mma_ok(p) ||
-      pb.N * pb.Lq * pb.M == 0) {
+  if (pb.N * pb.Lq * pb.M == 0) return composite();
+  const bool sorted = deterministic || cuda::sorted_backward_preferred(p);
+  const bool dots = sorted && vt != at::kFloat && cuda::dots_mma_ok(p);
+  // Vectors of 16 bytes of fp32 (32 on the sorted path), as backward_cuda.
+  const int want = sorted ? 8 : 4;
+  p.vec = cuda::pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
+  if (!dots && (p.vec != want || pb.D > int64_t(32) * want)) {  // one channel pass
     return composite();
   }
-  auto grad_off = new_output(in.loc.sizes(), in.loc.options());
-  auto grad_logits = new_output(in.attn.sizes(), in.attn.options());
-  const at::Tensor row_stats = at::empty({pb.N * pb.Lq * pb.M, 2}, in.loc.options().dtype(at::kFloat));
+  const auto grads = dots ? in.loc.options() : in.loc.options().dtype(at::kFloat);
+  auto grad_off = new_output(in.loc.sizes(), grads);
+  auto grad_logits = new_output(in.attn.sizes(), grads);
   p.grad_loc = grad_off.data_ptr();
   p.grad_attn = grad_logits.data_ptr();
   p.ref = f.ref.data_ptr<float>();
   p.ref_dim = s.boxes ? 4 : 2;
-  p.row_stats = row_stats.data_ptr<float>();
-  p.vec = cuda::pick_vec(pb.D, in.value.element_size(), 8, {p.value, p.grad_out});
-  at::Tensor grad_value = cuda::deterministic_grad_value(p, in, at::cuda::getCurrentCUDAStream());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor grad_value, row_stats;
+  if (sorted) {
+    row_stats = at::empty({pb.N * pb.Lq * pb.M, 2}, in.loc.options().dtype(at::kFloat));
+    p.row_stats = row_stats.data_ptr<float>();
+    grad_value = cuda::deterministic_grad_value(p, in, stream);
+  } else {
+    auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(at::kFloat));
+    p.grad_value_acc = grad_value_acc.data_ptr();
+    C10_CUDA_CHECK(cuda::backward(p, stream));
+    grad_value = grad_value_acc.to(vt);
+  }
   return {grad_value, grad_off.to(sampling_offsets.scalar_type()),
           grad_logits.to(attention_logits.scalar_type()).view(attention_logits.sizes())};
 }
