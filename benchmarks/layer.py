@@ -11,10 +11,9 @@ against a random gradient, queries and flattened features requiring grad.
 Implementations:
   ours          ms_deform_attn.nn.MSDeformAttn(fused=False) (backend "auto";
                 locations and softmax as separate PyTorch ops before
-                ms_deform_attn; the module's default for fp32 values)
+                ms_deform_attn, as Deformable DETR does)
   fused         the same module with fused=True: locations and softmax inside
-                the operator (ms_deform_attn_fused; the module's default for
-                bf16 values, autocast included)
+                the operator (ms_deform_attn_fused; the module's default)
   pytorch       the same module on the grid_sample reference
   transformers  transformers' DeformableDetrMultiscaleDeformableAttention on its own
                 path, the same weights

@@ -29,21 +29,18 @@ class MSDeformAttn(nn.Module):
         n_points: sampling points per head and level.
         backend: operator backend ("auto", a name from available_backends(),
             or "pytorch" for the grid_sample reference).
-        fused: True forms the sampling locations and the softmax inside the
-            operator (ms_deform_attn_fused), which then keeps the offsets and
-            logits for the backward instead of float32 locations and weights
-            (a fifth less saved memory per layer under bf16 autocast; on CUDA
-            its forward, and with bf16 values on dense problems its
-            backward, form them inside the kernels); False runs them as
+        fused: True (default) forms the sampling locations and the softmax
+            inside the operator (ms_deform_attn_fused), which then keeps the
+            offsets and logits for the backward instead of float32 locations
+            and weights (a fifth less saved memory per layer under bf16
+            autocast); on CUDA its kernels form them, forward and backward
+            (BENCHMARKS.md "Layer: the fused operator"). False runs them as
             separate PyTorch ops before ms_deform_attn, as Deformable DETR
-            does. None (default): fused when the values are bf16 (under
-            autocast too), where it is the faster and the leaner; unfused
-            otherwise (in fp32 the fused layer keeps as much and peaks
-            higher: BENCHMARKS.md "Layer: the fused operator").
+            does.
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
-                 backend: str = "auto", fused: Optional[bool] = None):
+                 backend: str = "auto", fused: bool = True):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}")
@@ -115,8 +112,7 @@ class MSDeformAttn(nn.Module):
         if reference_points.shape[-1] not in (2, 4):
             raise ValueError("reference_points.shape[-1] must be 2 or 4, got "
                              f"{reference_points.shape[-1]}")
-        fused = self.fused if self.fused is not None else value.dtype == torch.bfloat16
-        if fused and self.backend != "pytorch":
+        if self.fused and self.backend != "pytorch":
             output = ms_deform_attn_fused(value, input_spatial_shapes, input_level_start_index,
                                           reference_points, offsets, logits, backend=self.backend,
                                           spatial_shapes_list=input_spatial_shapes_list)

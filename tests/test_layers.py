@@ -56,22 +56,21 @@ def test_state_dict_of_the_deformable_detr_module_loads_strictly():
     assert torch.equal(m.sampling_offsets.bias, sd["sampling_offsets.bias"])
 
 
-@pytest.mark.parametrize("dtype,autocast,fused", [(torch.float32, False, False),
-                                                   (torch.bfloat16, False, True),
-                                                   (torch.float32, True, True)],
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False),
+                                            (torch.float32, True)],
                          ids=["fp32", "bf16", "bf16-autocast"])
-def test_fused_by_default_where_the_values_are_bf16(monkeypatch, dtype, autocast, fused):
+def test_fused_by_default(monkeypatch, dtype, autocast):
     import ms_deform_attn.nn as nn_module
     calls = []
     real = nn_module.ms_deform_attn_fused
     monkeypatch.setattr(nn_module, "ms_deform_attn_fused",
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     layer = MSDeformAttn(64, len(LEVELS), 8, 3).to(dtype)
-    assert layer.fused is None
+    assert layer.fused
     query, ref, flat, shapes, start, _, levels = module_inputs("cpu")
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = layer(query.to(dtype), ref, flat.to(dtype), shapes, start, None, levels)
-    assert len(calls) == int(fused)
+    assert len(calls) == 1
     assert out.dtype == (torch.bfloat16 if autocast else dtype)
 
 
