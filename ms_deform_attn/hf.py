@@ -4,8 +4,10 @@
 calls on its own `MultiScaleDeformableAttention` layer (DeformableDetr,
 RT-DETR, Grounding DINO, and the other models with such a layer), so it can
 be put in its place; `swap_msda(model)` does that for a whole model without
-network access, and also routes Mask2Former / OneFormer, which call a
-module-level `multi_scale_deformable_attention` function, to the operator.
+network access, also runs the attention layers with Deformable DETR's own
+forward on the fused operator, and routes Mask2Former / OneFormer, which
+call a module-level `multi_scale_deformable_attention` function, to the
+operator.
 
 With the `kernels` package, `kernelize(model)` runs transformers' own
 mechanism (`kernels.kernelize` with `kernel_mapping()`, the layer served from
@@ -27,7 +29,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ._ops import ms_deform_attn
+import torch.nn.functional as F
+
+from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .compat import multi_scale_deformable_attn_pytorch
 
 
@@ -146,7 +150,71 @@ _FUNCTION_MODULES = (
 )
 
 
-def swap_msda(model: nn.Module, backend: str = "auto") -> int:
+def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                         encoder_attention_mask=None, position_embeddings=None,
+                         reference_points=None, spatial_shapes=None, spatial_shapes_list=None,
+                         level_start_index=None, **kwargs):
+    """The forward of transformers' DeformableDetrMultiscaleDeformableAttention
+    (and of the layers that share it) on ms_deform_attn_fused: the sampling
+    locations and the softmax formed inside the operator. The attention
+    weights it returns (for output_attentions) are computed without
+    gradient."""
+    if position_embeddings is not None:
+        hidden_states = hidden_states + position_embeddings
+    n, lq, _ = hidden_states.shape
+    s = encoder_hidden_states.shape[1]
+    value = self.value_proj(encoder_hidden_states)
+    if attention_mask is not None:  # True where the pixel is valid
+        value = value.masked_fill(~attention_mask[..., None], 0.0)
+    value = value.view(n, s, self.n_heads, self.d_model // self.n_heads)
+    offsets = self.sampling_offsets(hidden_states).view(n, lq, self.n_heads, self.n_levels,
+                                                        self.n_points, 2)
+    logits = self.attention_weights(hidden_states).view(n, lq, self.n_heads,
+                                                        self.n_levels * self.n_points)
+    if reference_points.shape[-1] not in (2, 4):
+        raise ValueError("Last dim of reference_points must be 2 or 4, but got "
+                         f"{reference_points.shape[-1]}")
+    if reference_points.shape[2] == 1:  # one for every level (RT-DETR's decoder)
+        reference_points = reference_points.expand(-1, -1, self.n_levels, -1)
+    output = ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points,
+                                  offsets, logits, backend=self._msda_backend,
+                                  spatial_shapes_list=spatial_shapes_list)
+    with torch.no_grad():
+        weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
+    return self.output_proj(output), weights
+
+
+def _runs_deformable_detr_forward(layer: nn.Module) -> bool:
+    """Whether `layer`'s class has transformers' Deformable DETR attention
+    forward, code for code (DeformableDetr, RT-DETR, LW-DETR, RF-DETR,
+    PP-DocLayout; not Grounding DINO, RT-DETRv2, D-FINE, OmDet: theirs
+    differ), so that _fused_layer_forward computes what it computes."""
+    try:
+        from transformers.models.deformable_detr import modeling_deformable_detr as ddetr
+    except ImportError:
+        return False
+    code = getattr(type(layer).forward, "__code__", None)
+    return code is not None and _same_code(
+        code, ddetr.DeformableDetrMultiscaleDeformableAttention.forward.__code__)
+
+
+def _same_code(a, b) -> bool:
+    """Equal bytecode, names and constants (nested code objects alike, their
+    file names and line numbers aside)."""
+    if a.co_code != b.co_code or a.co_names != b.co_names or a.co_varnames != b.co_varnames:
+        return False
+    if len(a.co_consts) != len(b.co_consts):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        if hasattr(x, "co_code") and hasattr(y, "co_code"):
+            if not _same_code(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True) -> int:
     """Puts this package's operator under every MSDA of a transformers model.
 
     Replaces each `MultiScaleDeformableAttention` submodule defined by
@@ -154,7 +222,12 @@ def swap_msda(model: nn.Module, backend: str = "auto") -> int:
     defined in a modelling file that calls a module-level
     `multi_scale_deformable_attention` (Mask2Former, OneFormer), points that
     name at the operator (this affects every model of that family in the
-    process). Returns the number of places swapped.
+    process). With `fused` (default), the attention layers that hold such a
+    submodule and run Deformable DETR's own forward (DeformableDetr, RT-DETR,
+    LW-DETR, RF-DETR, PP-DocLayout) run on ms_deform_attn_fused instead:
+    locations and softmax inside the operator, which keeps the offsets and
+    logits for the backward (their parameters and state_dict unchanged).
+    Returns the number of places swapped.
     """
     swapped = 0
     for parent in list(model.modules()):
@@ -163,6 +236,9 @@ def swap_msda(model: nn.Module, backend: str = "auto") -> int:
             if cls.__name__ == "MultiScaleDeformableAttention" and cls.__module__.startswith("transformers."):
                 setattr(parent, name, MultiScaleDeformableAttention(backend))
                 swapped += 1
+                if fused and _runs_deformable_detr_forward(parent):
+                    parent._msda_backend = backend
+                    parent.forward = _fused_layer_forward.__get__(parent)
     families = {type(m).__module__ for m in model.modules()}
     for modname in _FUNCTION_MODULES:
         module = sys.modules.get(modname)

@@ -354,6 +354,9 @@ HF_MODELS = {
     # the pixel decoder's module-level function (one site for the family)
     "mask2former": (tiny_mask2former, (64, 64), None, "pixel_decoder_last_hidden_state", 1),
 }
+# Of those sites, the attention layers swap_msda runs on the fused operator
+# (those with Deformable DETR's own forward).
+FUSED_SITES = {"deformable_detr": 2, "rt_detr": 1, "grounding_dino": 0, "mask2former": 0}
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
@@ -378,9 +381,49 @@ def test_transformers_model_swap(device, backend, name, monkeypatch):
         assert layers == 0 and m2f.multi_scale_deformable_attention is multi_scale_deformable_attention
     else:
         assert layers == sites
+    assert sum(hasattr(m, "_msda_backend") for m in model.modules()) == FUSED_SITES[name]
     with torch.no_grad():
         out = getattr(model(**inputs), output)
     assert rel_err(out, expected.double()) <= 1e-5
+
+
+@pytest.mark.parametrize("device,backend", [p for p in device_backends()
+                                            if p.values[1] in ("cpu", "baseline", "none")])
+@pytest.mark.parametrize("name", ["deformable_detr", "rt_detr"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_transformers_swap_gradients(device, backend, name, fused):
+    """Every parameter's gradient after swap_msda (fused or not) is the one
+    transformers' own path gives, and the attention weights it returns are
+    its too."""
+    import copy
+
+    from ms_deform_attn.hf import swap_msda
+
+    factory, (h, w), extra, output, sites = HF_MODELS[name]
+    own = factory(device)
+    swapped = copy.deepcopy(own)
+    assert swap_msda(swapped, backend=backend, fused=fused) == sites
+    inputs = {"pixel_values": torch.randn(2, 3, h, w, device=device)}
+    outs = []
+    for model in (own, swapped):
+        res = model(**inputs, output_attentions=True)
+        getattr(res, output).square().sum().backward()
+        outs.append(res)
+    assert rel_err(getattr(outs[1], output), getattr(outs[0], output).detach().double()) <= 1e-5
+    for a, b in zip(outs[1].cross_attentions or (), outs[0].cross_attentions or ()):
+        assert rel_err(a, b.detach().double()) <= 1e-5
+    params = list(zip(swapped.named_parameters(), own.named_parameters()))
+    # Gradients that cancel to rounding noise (a convolution before a batch
+    # norm) are compared against the largest one's scale.
+    scale = max(p.grad.abs().max().item() for _, (_, p) in params if p.grad is not None)
+    for (na, pa), (nb, pb) in params:
+        assert na == nb
+        if pb.grad is None:
+            assert pa.grad is None, na
+        elif pb.grad.norm() > 1e-3 * scale:
+            assert rel_err(pa.grad, pb.grad.double()) <= 1e-4, na
+        else:
+            assert (pa.grad - pb.grad).abs().max() <= 1e-6 * scale, na
 
 
 @pytest.mark.parametrize("device,backend", [p for p in device_backends() if p.values[1] in ("cpu", "baseline", "tma")])
