@@ -266,11 +266,11 @@ def bench_model(args) -> List[Dict]:
     pixels = torch.randn(args.batch, 3, h, w, generator=g).to(device)
     mask = torch.ones(args.batch, h, w, dtype=torch.long, device=device)
     rows = []
-    for path in ("transformers", "swapped"):
+    for path in args.paths.split(","):
         for compiled in (False, True) if args.compile else (False,):
             model = full_size_deformable_detr(tiny=args.tiny_model)
-            if path == "swapped":
-                swap_msda(model)
+            if path.startswith("swapped"):
+                swap_msda(model, fused=path == "swapped")
             model = model.to(device).train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
             fwd = torch.compile(model) if compiled else model
@@ -311,6 +311,9 @@ def parse_args(argv=None):
                     help="timing budget per measurement (at least 10 steps on a GPU, 3 on the CPU)")
     ap.add_argument("--model", action="store_true", help="the whole-model benchmark instead")
     ap.add_argument("--compile", action="store_true", help="--model: also under torch.compile")
+    ap.add_argument("--paths", default="transformers,swapped",
+                    help="--model: of transformers (its own path), swapped (swap_msda: "
+                         "the fused layers), swapped_unfused (swap_msda(fused=False))")
     ap.add_argument("--image", default="800x1333", help="--model: H x W")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
