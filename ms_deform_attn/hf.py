@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .compat import multi_scale_deformable_attn_pytorch
+from .nn import project
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -162,15 +163,9 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     if position_embeddings is not None:
         hidden_states = hidden_states + position_embeddings
     n, lq, _ = hidden_states.shape
-    s = encoder_hidden_states.shape[1]
-    value = self.value_proj(encoder_hidden_states)
-    if attention_mask is not None:  # True where the pixel is valid
-        value = value.masked_fill(~attention_mask[..., None], 0.0)
-    value = value.view(n, s, self.n_heads, self.d_model // self.n_heads)
-    offsets = self.sampling_offsets(hidden_states).view(n, lq, self.n_heads, self.n_levels,
-                                                        self.n_points, 2)
-    logits = self.attention_weights(hidden_states).view(n, lq, self.n_heads,
-                                                        self.n_levels * self.n_points)
+    # transformers' attention_mask is True where the pixel is valid.
+    value, offsets, logits = project(self, hidden_states, encoder_hidden_states,
+                                     None if attention_mask is None else ~attention_mask)
     if reference_points.shape[-1] not in (2, 4):
         raise ValueError("Last dim of reference_points must be 2 or 4, but got "
                          f"{reference_points.shape[-1]}")

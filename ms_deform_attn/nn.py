@@ -19,6 +19,25 @@ from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .reference import ms_deform_attn_pytorch
 
 
+def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
+            padding_mask: Optional[torch.Tensor] = None):
+    """The three projections of an attention layer with Deformable DETR's
+    linears and sizes (MSDeformAttn, transformers' layer): value (N, S, M, D),
+    zero at padding (padding_mask (N, S) True), sampling offsets
+    (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P)."""
+    n, lq, _ = query.shape
+    s = input_flatten.shape[1]
+    value = layer.value_proj(input_flatten)
+    if padding_mask is not None:
+        value = value.masked_fill(padding_mask[..., None], 0.0)
+    value = value.view(n, s, layer.n_heads, layer.d_model // layer.n_heads)
+    offsets = layer.sampling_offsets(query).view(n, lq, layer.n_heads, layer.n_levels,
+                                                 layer.n_points, 2)
+    logits = layer.attention_weights(query).view(n, lq, layer.n_heads,
+                                                 layer.n_levels * layer.n_points)
+    return value, offsets, logits
+
+
 class MSDeformAttn(nn.Module):
     """Multi-scale deformable attention module of Deformable DETR.
 
@@ -100,15 +119,7 @@ class MSDeformAttn(nn.Module):
             (N, Lq, d_model).
         """
         n, lq, _ = query.shape
-        _, s, _ = input_flatten.shape
-        value = self.value_proj(input_flatten)
-        if input_padding_mask is not None:
-            value = value.masked_fill(input_padding_mask[..., None], 0.0)
-        value = value.view(n, s, self.n_heads, self.d_model // self.n_heads)
-        offsets = self.sampling_offsets(query).view(n, lq, self.n_heads, self.n_levels,
-                                                    self.n_points, 2)
-        logits = self.attention_weights(query).view(n, lq, self.n_heads,
-                                                    self.n_levels * self.n_points)
+        value, offsets, logits = project(self, query, input_flatten, input_padding_mask)
         if reference_points.shape[-1] not in (2, 4):
             raise ValueError("reference_points.shape[-1] must be 2 or 4, got "
                              f"{reference_points.shape[-1]}")

@@ -9,9 +9,9 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks import layer as B  # noqa: E402
+from kernel_times import profile_table  # noqa: E402
 from ms_deform_attn import workloads as W  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
@@ -19,7 +19,6 @@ dname = sys.argv[2] if len(sys.argv) > 2 else "bf16"
 impls = sys.argv[3:] or ["ours", "fused"]
 wl = W.get(name)
 levels = [tuple(x) for x in wl.levels]
-reps = 10
 query, flat, ref, shapes, start, grad = B.layer_inputs(wl, 256, "cuda")
 for impl in impls:
     layer = B.make_layer(impl, wl, 256, "cuda")
@@ -33,19 +32,4 @@ for impl in impls:
             out = B.call_layer(layer, query, flat, ref, shapes, start, levels)
         torch.autograd.backward(out, grad.to(out.dtype))
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    print(f"== {name} {dname} layer {impl}, forward + backward: GPU time per step by kernel (us)")
-    total = 0.0
-    for e in sorted(prof.key_averages(), key=lambda e: -e.device_time_total):
-        if e.device_time_total <= 0:
-            continue
-        t = e.device_time_total / reps
-        total += t
-        print(f"{t:9.1f}  {e.count // reps:3d}x  {e.key[:100]}")
-    print(f"{total:9.1f}  total")
+    profile_table(step, f"{name} {dname} layer {impl}, forward + backward", reps=10, counts=True)
