@@ -409,7 +409,8 @@ struct Launch {
   }
 
   // The fused operator: a task a whole row (the softmax needs it), vector
-  // accesses, one channel pass (fused_kernels_ok); float accumulation.
+  // accesses, one channel pass (fused_backward_cuda sends no other); float
+  // accumulation.
   static cudaError_t run_fused(const BackwardParams& p, cudaStream_t stream, int lanes) {
     if constexpr (std::is_same_v<acc_t<T>, float> && VEC > 1) {
       const int LP = p.pb.L * p.pb.P;
