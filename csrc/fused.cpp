@@ -190,6 +190,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_formed
   return {grad_value, grad_off, grad_logits, grad_ref};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads_formed(
+    const FusedSizes& s, const at::Tensor& grad_output, const at::Tensor& value,
+    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+    const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
+    const at::Tensor& attention_logits, bool deterministic) {
+  auto [grad_value, grad_off, grad_logits, unused] =
+      fused_backward_formed(s, grad_output, value, spatial_shapes, level_start_index,
+                            reference_points, sampling_offsets, attention_logits, deterministic,
+                            /*ref_grad=*/false);
+  return {grad_value, grad_off, grad_logits};
+}
+
 namespace {
 
 at::Tensor fused_forward_composite(const at::Tensor& value, const at::Tensor& spatial_shapes,
@@ -212,11 +224,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_composite(
     const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic) {
   const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
                                           sampling_offsets, attention_logits);
-  auto [grad_value, grad_off, grad_logits, unused] =
-      fused_backward_formed(s, grad_output, value, spatial_shapes, level_start_index,
-                            reference_points, sampling_offsets, attention_logits, deterministic,
-                            /*ref_grad=*/false);
-  return {grad_value, grad_off, grad_logits};
+  return fused_input_grads_formed(s, grad_output, value, spatial_shapes, level_start_index,
+                                  reference_points, sampling_offsets, attention_logits,
+                                  deterministic);
 }
 
 }  // namespace

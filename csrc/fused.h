@@ -53,4 +53,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_formed
     const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
     const at::Tensor& attention_logits, bool deterministic, bool ref_grad);
 
+// fused_backward_formed without the reference points' gradient: the three
+// gradients _ms_deform_attn_fused_backward returns.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads_formed(
+    const FusedSizes& s, const at::Tensor& grad_output, const at::Tensor& value,
+    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+    const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
+    const at::Tensor& attention_logits, bool deterministic);
+
 }  // namespace msda

@@ -122,6 +122,44 @@ at::Tensor fused_forward_cuda(const at::Tensor& value, const at::Tensor& spatial
   return launch_forward(f.in, impl, f.ref.data_ptr<float>(), s.boxes ? 4 : 2);
 }
 
+// The backward's parameters for the prepared inputs: grad_output checked
+// against them (its contiguous copy kept in `gout`), locations aligned.
+BackwardParams backward_params(Prepared& in, const at::Tensor& grad_output, const at::Tensor& value,
+                               at::Tensor& gout) {
+  check_grad_output(grad_output, in.pb, value);
+  gout = grad_output.contiguous();
+  in.loc = aligned_pairs(in.loc);
+  BackwardParams p;
+  set_inputs(p, in);
+  p.grad_out = gout.data_ptr();
+  return p;
+}
+
+// Sets p.vec: vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64
+// channels) with atomics, 32 bytes on the sorted path (see backward.cu).
+// Returns the width wanted, which p.vec falls short of where D or the
+// pointers' alignment do not allow it.
+int pick_backward_vec(BackwardParams& p, const Prepared& in, bool sorted) {
+  const int want = (in.value.scalar_type() == at::kDouble ? 2 : 4) * (sorted ? 2 : 1);
+  p.vec = cuda::pick_vec(in.pb.D, in.value.element_size(), want, {p.value, p.grad_out});
+  return want;
+}
+
+// grad_value in value's dtype: by the sorted path, or accumulated with
+// atomics into a zeroed fp32 (fp64) buffer by backward_kernel, which also
+// writes p's location and weight gradients.
+at::Tensor grad_value_of(BackwardParams& p, const Prepared& in, bool sorted, cudaStream_t stream) {
+  if (sorted) return cuda::deterministic_grad_value(p, in, stream);
+  const auto vt = in.value.scalar_type();
+  auto acc = at::zeros(in.value.sizes(),
+                       in.value.options().dtype(vt == at::kDouble ? at::kDouble : at::kFloat));
+  if (in.pb.N * in.pb.Lq * in.pb.M > 0) {
+    p.grad_value_acc = acc.data_ptr();
+    C10_CUDA_CHECK(cuda::backward(p, stream));
+  }
+  return acc.to(vt);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
@@ -129,38 +167,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                attention_weights);
   const c10::cuda::CUDAGuard guard(value.device());
-  const auto& pb = in.pb;
-  check_grad_output(grad_output, pb, value);
-  const at::Tensor gout = grad_output.contiguous();
-  const auto vt = in.value.scalar_type();
-  const auto acc_type = vt == at::kDouble ? at::kDouble : at::kFloat;
   auto grad_loc = new_output(in.loc.sizes(), in.loc.options());
   auto grad_attn = new_output(in.attn.sizes(), in.attn.options());
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  in.loc = aligned_pairs(in.loc);
-  BackwardParams p;
-  set_inputs(p, in);
-  p.grad_out = gout.data_ptr();
+  at::Tensor gout;
+  BackwardParams p = backward_params(in, grad_output, value, gout);
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
   // The sorted backward is bitwise reproducible; where it is also the faster
   // one it serves every call, not only the ones that ask for determinism.
   const bool sorted = deterministic || cuda::sorted_backward_preferred(p);
-  // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
-  // atomics, 32 bytes without (see backward.cu).
-  const int want = (vt == at::kDouble ? 2 : 4) * (sorted ? 2 : 1);
-  p.vec = cuda::pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
-  at::Tensor grad_value;
-  if (sorted) {
-    grad_value = cuda::deterministic_grad_value(p, in, stream);
-  } else {
-    auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
-    if (pb.N * pb.Lq * pb.M > 0) {
-      p.grad_value_acc = grad_value_acc.data_ptr();
-      C10_CUDA_CHECK(cuda::backward(p, stream));
-    }
-    grad_value = grad_value_acc.to(vt);
-  }
+  pick_backward_vec(p, in, sorted);
+  at::Tensor grad_value = grad_value_of(p, in, sorted, at::cuda::getCurrentCUDAStream());
   return {grad_value, grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
 }
 
@@ -178,10 +195,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
   const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
                                           sampling_offsets, attention_logits);
   auto composite = [&] {
-    auto [grad_value, grad_off, grad_logits, unused] = fused_backward_formed(
-        s, grad_output, value, spatial_shapes, level_start_index, reference_points,
-        sampling_offsets, attention_logits, deterministic, /*ref_grad=*/false);
-    return std::tuple{grad_value, grad_off, grad_logits};
+    return fused_input_grads_formed(s, grad_output, value, spatial_shapes, level_start_index,
+                                    reference_points, sampling_offsets, attention_logits,
+                                    deterministic);
   };
   const auto vt = value.scalar_type();
   if (vt == at::kDouble) return composite();
@@ -190,18 +206,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
   Prepared& in = f.in;
   const c10::cuda::CUDAGuard guard(value.device());
   const auto& pb = in.pb;
-  check_grad_output(grad_output, pb, value);
-  const at::Tensor gout = grad_output.contiguous();
-  in.loc = aligned_pairs(in.loc);
-  BackwardParams p;
-  set_inputs(p, in);
-  p.grad_out = gout.data_ptr();
+  at::Tensor gout;
+  BackwardParams p = backward_params(in, grad_output, value, gout);
   if (pb.N * pb.Lq * pb.M == 0) return composite();
   const bool sorted = deterministic || cuda::sorted_backward_preferred(p);
   const bool dots = sorted && vt != at::kFloat && cuda::dots_mma_ok(p);
-  // Vectors of 16 bytes of fp32 (32 on the sorted path), as backward_cuda.
-  const int want = sorted ? 8 : 4;
-  p.vec = cuda::pick_vec(pb.D, in.value.element_size(), want, {p.value, p.grad_out});
+  const int want = pick_backward_vec(p, in, sorted);
   if (!dots && (p.vec != want || pb.D > int64_t(32) * want)) {  // one channel pass
     return composite();
   }
@@ -212,18 +222,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
   p.grad_attn = grad_logits.data_ptr();
   p.ref = f.ref.data_ptr<float>();
   p.ref_dim = s.boxes ? 4 : 2;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  at::Tensor grad_value, row_stats;
+  at::Tensor row_stats;
   if (sorted) {
     row_stats = at::empty({pb.N * pb.Lq * pb.M, 2}, in.loc.options().dtype(at::kFloat));
     p.row_stats = row_stats.data_ptr<float>();
-    grad_value = cuda::deterministic_grad_value(p, in, stream);
-  } else {
-    auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(at::kFloat));
-    p.grad_value_acc = grad_value_acc.data_ptr();
-    C10_CUDA_CHECK(cuda::backward(p, stream));
-    grad_value = grad_value_acc.to(vt);
   }
+  at::Tensor grad_value = grad_value_of(p, in, sorted, at::cuda::getCurrentCUDAStream());
   return {grad_value, grad_off.to(sampling_offsets.scalar_type()),
           grad_logits.to(attention_logits.scalar_type()).view(attention_logits.sizes())};
 }
