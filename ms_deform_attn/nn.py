@@ -19,23 +19,78 @@ from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .reference import ms_deform_attn_pytorch
 
 
+class _Linear(torch.autograd.Function):
+    """F.linear whose bias gradient is a matrix-vector product (cuBLAS)
+    instead of the column sum nn.Linear's backward runs, which reaches under
+    half the copy rate on a layer's tens of thousands of rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        grad_w = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = torch.mv(rows.t(), rows.new_ones(rows.shape[0])) if ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight, bias); on CUDA, when it will be differentiated
+    eagerly, with _Linear's backward (autocast's casts made here, as tensors
+    of the graph, so that the gradients reach the parameters in their dtype
+    as autocast's own casts would send them). Compiled and exported graphs
+    keep F.linear: the compiler forms its own reductions."""
+    if (not x.is_cuda or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or not (x.requires_grad or weight.requires_grad or bias.requires_grad)):
+        return F.linear(x, weight, bias)
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
+    return _Linear.apply(x, weight, bias)
+
+
+def _plain(*modules: nn.Module) -> bool:
+    """Whether the modules are nn.Linear with a bias and no hooks, whose
+    weights linear() may then use directly (not wrapped ones: LoRA,
+    quantised or hooked linears run as modules)."""
+    return all(type(mod) is nn.Linear and mod.bias is not None and not mod._forward_hooks
+               and not mod._forward_pre_hooks for mod in modules)
+
+
 def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
             padding_mask: Optional[torch.Tensor] = None):
     """The three projections of an attention layer with Deformable DETR's
     linears and sizes (MSDeformAttn, transformers' layer): value (N, S, M, D),
     zero at padding (padding_mask (N, S) True), sampling offsets
-    (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P)."""
+    (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P). Plain
+    linears run through linear(); the offsets' and the logits', which both
+    read the query, as one (one cast of the query under autocast, one GEMM
+    each way), the two results views of its output."""
     n, lq, _ = query.shape
     s = input_flatten.shape[1]
-    value = layer.value_proj(input_flatten)
+    m, lvl, pts = layer.n_heads, layer.n_levels, layer.n_points
+    vp, so, aw = layer.value_proj, layer.sampling_offsets, layer.attention_weights
+    value = linear(input_flatten, vp.weight, vp.bias) if _plain(vp) else vp(input_flatten)
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
-    value = value.view(n, s, layer.n_heads, layer.d_model // layer.n_heads)
-    offsets = layer.sampling_offsets(query).view(n, lq, layer.n_heads, layer.n_levels,
-                                                 layer.n_points, 2)
-    logits = layer.attention_weights(query).view(n, lq, layer.n_heads,
-                                                 layer.n_levels * layer.n_points)
-    return value, offsets, logits
+    value = value.view(n, s, m, layer.d_model // m)
+    if _plain(so, aw):
+        both = linear(query, torch.cat([so.weight, aw.weight]), torch.cat([so.bias, aw.bias]))
+        offsets, logits = both.split([so.out_features, aw.out_features], -1)
+    else:
+        offsets, logits = so(query), aw(query)
+    return value, offsets.view(n, lq, m, lvl, pts, 2), logits.view(n, lq, m, lvl * pts)
+
+
+def output_projection(layer: nn.Module, output: torch.Tensor) -> torch.Tensor:
+    """layer.output_proj(output), through linear() when it is plain."""
+    op = layer.output_proj
+    return linear(output, op.weight, op.bias) if _plain(op) else op(output)
 
 
 class MSDeformAttn(nn.Module):
@@ -127,7 +182,7 @@ class MSDeformAttn(nn.Module):
             output = ms_deform_attn_fused(value, input_spatial_shapes, input_level_start_index,
                                           reference_points, offsets, logits, backend=self.backend,
                                           spatial_shapes_list=input_spatial_shapes_list)
-            return self.output_proj(output)
+            return output_projection(self, output)
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
         if reference_points.shape[-1] == 2:
             # Offsets are in pixels of each level: divide by (W, H).
@@ -145,4 +200,4 @@ class MSDeformAttn(nn.Module):
             output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
                                     locations, weights, backend=self.backend,
                                     spatial_shapes_list=input_spatial_shapes_list)
-        return self.output_proj(output)
+        return output_projection(self, output)
