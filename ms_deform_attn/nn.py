@@ -19,44 +19,60 @@ from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .reference import ms_deform_attn_pytorch
 
 
-class _Linear(torch.autograd.Function):
-    """F.linear whose bias gradient is a matrix-vector product (cuBLAS)
+class _Linears(torch.autograd.Function):
+    """F.linear(x, weight_i, bias_i) for pairs (weight_i, bias_i) that share
+    x. The backward forms x's gradient as one sum of GEMMs (addmm, no
+    separate add) and each bias gradient as a matrix-vector product (cuBLAS)
     instead of the column sum nn.Linear's backward runs, which reaches under
     half the copy rate on a layer's tens of thousands of rows."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
+    def forward(ctx, x, *pairs):
+        ctx.save_for_backward(x, *pairs[::2])
+        return tuple(F.linear(x, w, b) for w, b in zip(pairs[::2], pairs[1::2]))
 
     @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        grad_w = rows.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        grad_b = torch.mv(rows.t(), rows.new_ones(rows.shape[0])) if ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        xs = x.reshape(-1, x.shape[-1])
+        rows = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
+        grad_x, out = None, []
+        for i, (w, g) in enumerate(zip(weights, rows)):
+            if g is None:
+                out += [None, None]
+                continue
+            if ctx.needs_input_grad[0]:
+                grad_x = g @ w if grad_x is None else torch.addmm(grad_x, g, w)
+            out.append(g.t() @ xs if ctx.needs_input_grad[1 + 2 * i] else None)
+            out.append(torch.mv(g.t(), g.new_ones(g.shape[0]))
+                       if ctx.needs_input_grad[2 + 2 * i] else None)
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        return (grad_x, *out)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight, bias); on CUDA, when it will be differentiated
-    eagerly, with _Linear's backward (autocast's casts made here, as tensors
-    of the graph, so that the gradients reach the parameters in their dtype
-    as autocast's own casts would send them). Compiled and exported graphs
-    keep F.linear: the compiler forms its own reductions."""
+def linears(x: torch.Tensor, *modules: nn.Linear):
+    """The plain linears `modules` applied to x: F.linear's, and on CUDA,
+    when they will be differentiated eagerly, through _Linears (autocast's
+    casts made here, once for x, as tensors of the graph, so that the
+    gradients reach x and the parameters in their dtypes as autocast's own
+    casts would send them). Compiled and exported graphs keep F.linear: the
+    compiler forms its own reductions."""
+    pairs = [t for mod in modules for t in (mod.weight, mod.bias)]
     if (not x.is_cuda or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or not (x.requires_grad or weight.requires_grad or bias.requires_grad)):
-        return F.linear(x, weight, bias)
+            or not any(t.requires_grad for t in [x] + pairs)):
+        return tuple(mod(x) for mod in modules)
     if torch.is_autocast_enabled("cuda"):
+        # As autocast: floating tensors but float64 ones.
         dtype = torch.get_autocast_dtype("cuda")
-        x, weight, bias = x.to(dtype), weight.to(dtype), bias.to(dtype)
-    return _Linear.apply(x, weight, bias)
+        x, *pairs = [t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+                     for t in [x] + pairs]
+    return _Linears.apply(x, *pairs)
 
 
 def _plain(*modules: nn.Module) -> bool:
     """Whether the modules are nn.Linear with a bias and no hooks, whose
-    weights linear() may then use directly (not wrapped ones: LoRA,
+    weights linears() may then use directly (not wrapped ones: LoRA,
     quantised or hooked linears run as modules)."""
     return all(type(mod) is nn.Linear and mod.bias is not None and not mod._forward_hooks
                and not mod._forward_pre_hooks for mod in modules)
@@ -68,29 +84,25 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
     linears and sizes (MSDeformAttn, transformers' layer): value (N, S, M, D),
     zero at padding (padding_mask (N, S) True), sampling offsets
     (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P). Plain
-    linears run through linear(); the offsets' and the logits', which both
-    read the query, as one (one cast of the query under autocast, one GEMM
-    each way), the two results views of its output."""
+    linears run through linears(); the offsets' and the logits', which both
+    read the query, together (one cast of the query under autocast, one
+    gradient for it)."""
     n, lq, _ = query.shape
     s = input_flatten.shape[1]
     m, lvl, pts = layer.n_heads, layer.n_levels, layer.n_points
     vp, so, aw = layer.value_proj, layer.sampling_offsets, layer.attention_weights
-    value = linear(input_flatten, vp.weight, vp.bias) if _plain(vp) else vp(input_flatten)
+    value, = linears(input_flatten, vp) if _plain(vp) else (vp(input_flatten),)
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
     value = value.view(n, s, m, layer.d_model // m)
-    if _plain(so, aw):
-        both = linear(query, torch.cat([so.weight, aw.weight]), torch.cat([so.bias, aw.bias]))
-        offsets, logits = both.split([so.out_features, aw.out_features], -1)
-    else:
-        offsets, logits = so(query), aw(query)
+    offsets, logits = linears(query, so, aw) if _plain(so, aw) else (so(query), aw(query))
     return value, offsets.view(n, lq, m, lvl, pts, 2), logits.view(n, lq, m, lvl * pts)
 
 
 def output_projection(layer: nn.Module, output: torch.Tensor) -> torch.Tensor:
-    """layer.output_proj(output), through linear() when it is plain."""
+    """layer.output_proj(output), through linears() when it is plain."""
     op = layer.output_proj
-    return linear(output, op.weight, op.bias) if _plain(op) else op(output)
+    return linears(output, op)[0] if _plain(op) else op(output)
 
 
 class MSDeformAttn(nn.Module):

@@ -171,8 +171,8 @@ def linears_as_modules(layer, query, flat, out):
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_projections_match_the_linears_as_modules(device, autocast):
-    # nn.project runs the offsets' and the logits' linears as one GEMM and,
-    # on CUDA, every plain linear with a GEMV bias gradient (nn._Linear).
+    # On CUDA nn.project runs the offsets' and the logits' linears together
+    # and every plain linear with a GEMV bias gradient (nn._Linears).
     from ms_deform_attn.nn import output_projection, project
     layer, _ = make_pair(device, "auto")
     query, _, flat, _, _, _, _ = module_inputs(device)
