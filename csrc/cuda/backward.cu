@@ -533,17 +533,31 @@ __global__ void __launch_bounds__(kThreads, 4)
     const auto [loc, attn] = query_row<LT>(p, g32);
     float row_max = 0.f, row_inv = 0.f;
     const float* ref = nullptr;  // kFused: this slot's reference on its level
+    // kFused: the slot's logit (padding slots and groups past the last take
+    // no part: -inf, exp 0), offset and reference, all loaded before the
+    // row's reductions so that their latencies overlap the logit's.
+    float z = -INFINITY, o[2] = {0.f, 0.f}, r[4] = {0.f, 0.f, 0.f, 0.f};
     if constexpr (kFused) {
-      // Padding slots and groups past the last take no part (-inf: exp 0).
-      const float z = live ? float(to_acc(attn[i])) : -INFINITY;
+      ref = p.ref + (g32 / static_cast<uint32_t>(pb.M)) * int64_t(pb.L) * p.ref_dim + l * p.ref_dim;
+      if (live) {
+        z = float(to_acc(attn[i]));
+        load_xy(loc + 2 * i, o);
+        r[0] = ref[0];
+        r[1] = ref[1];
+        if (p.ref_dim == 4) {
+          r[2] = ref[2];
+          r[3] = ref[3];
+        }
+      }
       row_max = row_reduce(z, LPp, lane, red_tab[warp], [](float a, float b) { return fmaxf(a, b); });
       row_inv = 1.f / row_reduce(expf(z - row_max), LPp, lane, red_tab[warp],
                                  [](float a, float b) { return a + b; });
-      ref = p.ref + (g32 / static_cast<uint32_t>(pb.M)) * int64_t(pb.L) * p.ref_dim + l * p.ref_dim;
     }
     if (live) {
       if constexpr (kFused) {
-        s = load_fused_sample(loc, attn, i, levels[l], ref, p.ref_dim, half_p, row_max, row_inv);
+        float x, y;
+        fused_location(o, r, p.ref_dim, half_p, levels[l], x, y);
+        s = make_sample(x, y, fused_weight(z, row_max, row_inv), levels[l]);
       } else {
         s = load_sample<A>(loc, attn, i, levels[l]);
       }
