@@ -532,13 +532,14 @@ __global__ void __launch_bounds__(kThreads, 4)
     uint4 rows = make_uint4(0, 0, 0, 0);  // row 0: always loadable, its dots unused
     const auto [loc, attn] = query_row<LT>(p, g32);
     float row_max = 0.f, row_inv = 0.f;
-    const float* ref = nullptr;  // kFused: this slot's reference on its level
     // kFused: the slot's logit (padding slots and groups past the last take
-    // no part: -inf, exp 0), offset and reference, all loaded before the
-    // row's reductions so that their latencies overlap the logit's.
-    float z = -INFINITY, o[2] = {0.f, 0.f}, r[4] = {0.f, 0.f, 0.f, 0.f};
+    // no part: -inf, exp 0), offset and reference on its level, all loaded
+    // before the row's reductions so that their latencies overlap the
+    // logit's; what the offsets' gradients are scaled by (sx, sy).
+    float z = -INFINITY, o[2] = {0.f, 0.f}, r[4] = {0.f, 0.f, 0.f, 0.f}, sx = 1.f, sy = 1.f;
     if constexpr (kFused) {
-      ref = p.ref + (g32 / static_cast<uint32_t>(pb.M)) * int64_t(pb.L) * p.ref_dim + l * p.ref_dim;
+      const float* ref =
+          p.ref + (g32 / static_cast<uint32_t>(pb.M)) * int64_t(pb.L) * p.ref_dim + l * p.ref_dim;
       if (live) {
         z = float(to_acc(attn[i]));
         load_xy(loc + 2 * i, o);
@@ -558,6 +559,9 @@ __global__ void __launch_bounds__(kThreads, 4)
         float x, y;
         fused_location(o, r, p.ref_dim, half_p, levels[l], x, y);
         s = make_sample(x, y, fused_weight(z, row_max, row_inv), levels[l]);
+        fused_offset_scale(r, p.ref_dim, half_p, s.lv, sx, sy);
+        // Written now, so that neither is held across the products.
+        if (i == 0) reinterpret_cast<float2*>(p.row_stats)[group] = make_float2(row_max, row_inv);
       } else {
         s = load_sample<A>(loc, attn, i, levels[l]);
       }
@@ -629,11 +633,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       const float ag = row_reduce(live ? s.w * gr[0] : 0.f, LPp, lane, red_tab[warp],
                                   [](float a, float b) { return a + b; });
       if (live) {
-        float sx, sy;
-        fused_offset_scale(ref, p.ref_dim, half_p, s.lv, sx, sy);
         write_sample_grads<A, LT>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
                                   group, i, nm, cell_base[l]);
-        if (i == 0) reinterpret_cast<float2*>(p.row_stats)[group] = make_float2(row_max, row_inv);
       }
     } else if (live) {
       write_grads<A, LT>(p, s, gr, group, i, nm, cell_base[l]);
