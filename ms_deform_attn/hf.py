@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .compat import multi_scale_deformable_attn_pytorch
-from .nn import output_projection, project
+from .nn import project
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -176,7 +176,7 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
                                   spatial_shapes_list=spatial_shapes_list)
     with torch.no_grad():
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
-    return output_projection(self, output), weights
+    return self.output_proj(output), weights
 
 
 def _runs_deformable_detr_forward(layer: nn.Module) -> bool:

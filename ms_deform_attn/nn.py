@@ -19,90 +19,29 @@ from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .reference import ms_deform_attn_pytorch
 
 
-class _Linears(torch.autograd.Function):
-    """F.linear(x, weight_i, bias_i) for pairs (weight_i, bias_i) that share
-    x. The backward forms x's gradient as one sum of GEMMs (addmm, no
-    separate add) and each bias gradient as a matrix-vector product (cuBLAS)
-    instead of the column sum nn.Linear's backward runs, which reaches under
-    half the copy rate on a layer's tens of thousands of rows."""
-
-    @staticmethod
-    def forward(ctx, x, *pairs):
-        ctx.save_for_backward(x, *pairs[::2])
-        return tuple(F.linear(x, w, b) for w, b in zip(pairs[::2], pairs[1::2]))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x, *weights = ctx.saved_tensors
-        xs = x.reshape(-1, x.shape[-1])
-        rows = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
-        grad_x, out = None, []
-        for i, (w, g) in enumerate(zip(weights, rows)):
-            if g is None:
-                out += [None, None]
-                continue
-            if ctx.needs_input_grad[0]:
-                grad_x = g @ w if grad_x is None else torch.addmm(grad_x, g, w)
-            out.append(g.t() @ xs if ctx.needs_input_grad[1 + 2 * i] else None)
-            out.append(torch.mv(g.t(), g.new_ones(g.shape[0]))
-                       if ctx.needs_input_grad[2 + 2 * i] else None)
-        if grad_x is not None:
-            grad_x = grad_x.view(x.shape)
-        return (grad_x, *out)
-
-
-def linears(x: torch.Tensor, *modules: nn.Linear):
-    """The plain linears `modules` applied to x: F.linear's, and on CUDA,
-    when they will be differentiated eagerly, through _Linears (autocast's
-    casts made here, once for x, as tensors of the graph, so that the
-    gradients reach x and the parameters in their dtypes as autocast's own
-    casts would send them). Compiled and exported graphs keep F.linear: the
-    compiler forms its own reductions."""
-    pairs = [t for mod in modules for t in (mod.weight, mod.bias)]
-    if (not x.is_cuda or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or not any(t.requires_grad for t in [x] + pairs)):
-        return tuple(mod(x) for mod in modules)
-    if torch.is_autocast_enabled("cuda"):
-        # As autocast: floating tensors but float64 ones.
-        dtype = torch.get_autocast_dtype("cuda")
-        x, *pairs = [t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
-                     for t in [x] + pairs]
-    return _Linears.apply(x, *pairs)
-
-
-def _plain(*modules: nn.Module) -> bool:
-    """Whether the modules are nn.Linear with a bias and no hooks, whose
-    weights linears() may then use directly (not wrapped ones: LoRA,
-    quantised or hooked linears run as modules)."""
-    return all(type(mod) is nn.Linear and mod.bias is not None and not mod._forward_hooks
-               and not mod._forward_pre_hooks for mod in modules)
-
-
 def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
             padding_mask: Optional[torch.Tensor] = None):
     """The three projections of an attention layer with Deformable DETR's
     linears and sizes (MSDeformAttn, transformers' layer): value (N, S, M, D),
     zero at padding (padding_mask (N, S) True), sampling offsets
-    (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P). Plain
-    linears run through linears(); the offsets' and the logits', which both
-    read the query, together (one cast of the query under autocast, one
-    gradient for it)."""
+    (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P). Under
+    autocast the query is cast once for the offsets' and the logits' linears
+    (autocast would cast a non-leaf query once for each, and keep both
+    casts for the backward)."""
     n, lq, _ = query.shape
     s = input_flatten.shape[1]
-    m, lvl, pts = layer.n_heads, layer.n_levels, layer.n_points
-    vp, so, aw = layer.value_proj, layer.sampling_offsets, layer.attention_weights
-    value, = linears(input_flatten, vp) if _plain(vp) else (vp(input_flatten),)
+    kind = query.device.type
+    if torch.is_autocast_enabled(kind) and query.dtype == torch.float32:
+        query = query.to(torch.get_autocast_dtype(kind))
+    value = layer.value_proj(input_flatten)
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
-    value = value.view(n, s, m, layer.d_model // m)
-    offsets, logits = linears(query, so, aw) if _plain(so, aw) else (so(query), aw(query))
-    return value, offsets.view(n, lq, m, lvl, pts, 2), logits.view(n, lq, m, lvl * pts)
-
-
-def output_projection(layer: nn.Module, output: torch.Tensor) -> torch.Tensor:
-    """layer.output_proj(output), through linears() when it is plain."""
-    op = layer.output_proj
-    return linears(output, op)[0] if _plain(op) else op(output)
+    value = value.view(n, s, layer.n_heads, layer.d_model // layer.n_heads)
+    offsets = layer.sampling_offsets(query).view(n, lq, layer.n_heads, layer.n_levels,
+                                                 layer.n_points, 2)
+    logits = layer.attention_weights(query).view(n, lq, layer.n_heads,
+                                                 layer.n_levels * layer.n_points)
+    return value, offsets, logits
 
 
 class MSDeformAttn(nn.Module):
@@ -194,7 +133,7 @@ class MSDeformAttn(nn.Module):
             output = ms_deform_attn_fused(value, input_spatial_shapes, input_level_start_index,
                                           reference_points, offsets, logits, backend=self.backend,
                                           spatial_shapes_list=input_spatial_shapes_list)
-            return output_projection(self, output)
+            return self.output_proj(output)
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
         if reference_points.shape[-1] == 2:
             # Offsets are in pixels of each level: divide by (W, H).
@@ -212,4 +151,4 @@ class MSDeformAttn(nn.Module):
             output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
                                     locations, weights, backend=self.backend,
                                     spatial_shapes_list=input_spatial_shapes_list)
-        return output_projection(self, output)
+        return self.output_proj(output)
