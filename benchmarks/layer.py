@@ -155,6 +155,28 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def layer_fns(layer: torch.nn.Module, device: str, dname: str, query, flat, ref, shapes, start,
+              grad, levels):
+    """forward(cache=True) and step() of one layer on layer_inputs(), and
+    the leaves step() differentiates: query, flat and the parameters that
+    require grad. step() runs forward() and the backward of its output
+    against `grad`, the leaves' gradients set to None first, as
+    optimizer.zero_grad() leaves them (no accumulation into last step's)."""
+    leaves = [query, flat] + [p for p in layer.parameters() if p.requires_grad]
+
+    def forward(cache=True):
+        with _autocast(device, dname, cache):
+            return call_layer(layer, query, flat, ref, shapes, start, levels)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = forward()
+        torch.autograd.backward(out, grad.to(out.dtype))
+
+    return forward, step, leaves
+
+
 def bench_layer(args) -> List[Dict]:
     device = args.device
     rows = []
@@ -174,21 +196,8 @@ def bench_layer(args) -> List[Dict]:
                 # layer's CUDA-graph capture made (on its stream) and kept
                 # alive would break this one's capture.
                 q_in, f_in = (t.detach().clone().requires_grad_() for t in (query, flat))
-
-                def forward(layer=layer, cache=True, q_in=q_in, f_in=f_in):
-                    with _autocast(device, dname, cache):
-                        return call_layer(layer, q_in, f_in, ref, shapes, start, levels)
-
-                params = [p for p in layer.parameters() if p.requires_grad]
-
-                def step(forward=forward, leaves=[q_in, f_in] + params):
-                    # Fresh gradients each step, as optimizer.zero_grad() leaves
-                    # them (None): no accumulation into last step's.
-                    for t in leaves:
-                        t.grad = None
-                    out = forward()
-                    torch.autograd.backward(out, grad.to(out.dtype))
-
+                forward, step, leaves = layer_fns(layer, device, dname, q_in, f_in, ref, shapes,
+                                                  start, grad, levels)
                 row = {"workload": wl.name, "dtype": dname, "impl": impl,
                        "fwdbwd_us": _time(device, step, args.target_ms),
                        "fwd_us": _time(device, forward, args.target_ms),
@@ -197,7 +206,6 @@ def bench_layer(args) -> List[Dict]:
                     # GPU time without the host's launch gaps: the gradients
                     # of the inputs and weights as fresh tensors (no .grad
                     # accumulation inside the graph).
-                    leaves = [q_in, f_in] + params
                     for t in leaves:
                         t.grad = None
                     g_forward = functools.partial(forward, cache=False)

@@ -22,20 +22,7 @@ wl = W.get(name)
 levels = [tuple(x) for x in wl.levels]
 query, flat, ref, shapes, start, grad = B.layer_inputs(wl, 256, "cuda")
 layer = B.make_layer(impl, wl, 256, "cuda")
-leaves = [query, flat] + list(layer.parameters())
-
-
-def forward():
-    with B._autocast("cuda", dname):
-        return B.call_layer(layer, query, flat, ref, shapes, start, levels)
-
-
-def step():
-    for t in leaves:
-        t.grad = None
-    out = forward()
-    torch.autograd.backward(out, grad.to(out.dtype))
-
+forward, step, _ = B.layer_fns(layer, "cuda", dname, query, flat, ref, shapes, start, grad, levels)
 
 for fn, what in ((forward, "forward"), (step, "forward + backward")):
     for _ in range(5):

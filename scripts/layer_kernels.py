@@ -8,7 +8,6 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import torch  # noqa: E402
 
 from benchmarks import layer as B  # noqa: E402
 from kernel_times import profile_table  # noqa: E402
@@ -22,14 +21,5 @@ levels = [tuple(x) for x in wl.levels]
 query, flat, ref, shapes, start, grad = B.layer_inputs(wl, 256, "cuda")
 for impl in impls:
     layer = B.make_layer(impl, wl, 256, "cuda")
-
-    leaves = [query, flat] + list(layer.parameters())
-
-    def step():
-        for t in leaves:  # fresh gradients, as optimizer.zero_grad() leaves them
-            t.grad = None
-        with B._autocast("cuda", dname):
-            out = B.call_layer(layer, query, flat, ref, shapes, start, levels)
-        torch.autograd.backward(out, grad.to(out.dtype))
-
+    _, step, _ = B.layer_fns(layer, "cuda", dname, query, flat, ref, shapes, start, grad, levels)
     profile_table(step, f"{name} {dname} layer {impl}, forward + backward", reps=10, counts=True)
