@@ -6,8 +6,9 @@
 //      the key of the bilinear cell its footprint lies in (cell_key()).
 //   2. sort_samples: a stable radix sort of (key, sample index) over only the
 //      bits the keys use. Samples of one cell end up together, in sample order.
-//   3. cell_starts: start[c] = first sorted position with key >= c (binary
-//      search), so the samples of cell c are ids[start[c] .. start[c + 1]).
+//   3. cell_starts: start[c] = first sorted position with key >= c (written
+//      by the positions where the key changes), so the samples of cell c are
+//      ids[start[c] .. start[c + 1]).
 //   4. pack_samples: per sorted position, the sample's grad_output row and its
 //      four corner weights times its attention weight, stored contiguously so
 //      that the gather reads them with independent, sequential loads.
@@ -35,48 +36,58 @@ struct GatherParams {
   const DeterministicBuffers* buf;
 };
 
-// First position in [lo, hi) of `sorted` whose key is >= c, hi if none, by
-// the whole warp: 32 probes a step (every lane gets the answer). The
-// caller's invariant: keys before lo are < c, keys from hi on >= c.
-template <typename K>
-__device__ int64_t warp_lower_bound(const K* __restrict__ sorted, int64_t lo, int64_t hi, int64_t c,
-                                    int lane) {
-  while (hi - lo > 32) {
-    const int64_t step = (hi - lo + 31) / 32;
-    const int64_t pos = lo + lane * step;
-    const unsigned below = __ballot_sync(0xffffffffu, pos < hi && int64_t(sorted[pos]) < c);
-    const int k = __popc(below);  // probes below c: a prefix of the lanes (keys ascend)
-    if (k == 0) return lo;
-    hi = min(hi, lo + k * step);
-    lo += (k - 1) * step + 1;
-  }
-  const unsigned below = __ballot_sync(0xffffffffu, lo + lane < hi && int64_t(sorted[lo + lane]) < c);
-  return lo + __popc(below);
-}
-
-// start[c] = first sorted position whose key is >= c, for c in [0, cells].
-// A block's cells are c0 .. c0 + blockDim - 1: warps 0 and 1 bound their
-// positions by two warp searches, then each thread binary-searches that
-// range only (a few positions a cell, not the whole array).
-template <typename K>
+// start[c] = first sorted position whose key is >= c, for c in [0, cells],
+// written by the positions: position j (0 <= j <= items) starts the cells
+// above the key before it up to its own key (keys past the last cell count
+// as `cells`; position items starts the cells above the last key), so every
+// cell is written once, from one coalesced read of the keys. A thread takes
+// kPer consecutive positions, their keys loaded together: 8 where there are
+// enough positions for a full GPU (one a thread, the kernel is a chain of
+// waves each waiting for its load), else 1 (fewer threads would not hide the
+// loads and the writes of the sparse maps' empty cells). Runs of more than
+// 32 cells (sparse maps, or every sample in one cell) are written by the
+// whole warp, one run at a time; shorter ones by their position's lane.
+template <int kPer, typename K>
 __global__ void cell_starts_kernel(const K* __restrict__ sorted, int64_t items, int64_t cells,
                                    int64_t* __restrict__ start) {
-  __shared__ int64_t range[2];
-  const int64_t c0 = int64_t(blockIdx.x) * blockDim.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (warp < 2) {
-    const int64_t pos = warp_lower_bound(sorted, 0, items, c0 + warp * blockDim.x, lane);
-    if (lane == 0) range[warp] = pos;
+  const int lane = threadIdx.x % 32;
+  const int64_t j0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPer;
+  int64_t key[kPer + 1];  // key[k]: of position j0 + k - 1, clamped to cells
+#pragma unroll
+  for (int k = 0; k <= kPer; ++k) {
+    const int64_t j = j0 + k - 1;
+    key[k] = j < 0 ? -1 : j < items ? min(int64_t(sorted[j]), cells) : cells;
   }
-  __syncthreads();
-  const int64_t c = c0 + threadIdx.x;
-  if (c > cells) return;
-  int64_t lo = range[0], hi = range[1];  // first position whose key >= c
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (int64_t(sorted[mid]) < c) lo = mid + 1; else hi = mid;
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    const int64_t j = j0 + k;
+    // This position starts cells [lo, hi).
+    const int64_t lo = key[k] + 1, hi = j <= items ? key[k + 1] + 1 : lo;
+    for (unsigned runs = __ballot_sync(0xffffffffu, hi - lo > 32); runs != 0; runs &= runs - 1) {
+      const int src = __ffs(runs) - 1;
+      const int64_t a = __shfl_sync(0xffffffffu, lo, src), b = __shfl_sync(0xffffffffu, hi, src);
+      const int64_t v = __shfl_sync(0xffffffffu, j, src);
+      for (int64_t c = a + lane; c < b; c += 32) start[c] = v;
+    }
+    if (hi - lo <= 32) {
+      for (int64_t c = lo; c < hi; ++c) start[c] = j;
+    }
   }
-  start[c] = lo;
+}
+
+template <typename K>
+cudaError_t launch_cell_starts(const DeterministicBuffers& b, cudaStream_t stream) {
+  DeviceLimits d;
+  if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+  const auto* keys = static_cast<const K*>(b.sorted_keys);
+  auto* start = static_cast<int64_t*>(b.cell_starts);
+  if (b.items >= int64_t(8) * 2048 * d.sms) {
+    cell_starts_kernel<8><<<grid_for((b.items + 8) / 8), kThreads, 0, stream>>>(keys, b.items, b.cells,
+                                                                                start);
+  } else {
+    cell_starts_kernel<1><<<grid_for(b.items + 1), kThreads, 0, stream>>>(keys, b.items, b.cells, start);
+  }
+  return cudaGetLastError();
 }
 
 // Sorted position j -> rows[j] (the sample's (n, q, m)) and wts[j][k] =
@@ -369,8 +380,11 @@ __global__ void __launch_bounds__(kThreads, 3)
                      const int64_t* __restrict__ cell_start, __nv_bfloat16* __restrict__ grad_value) {
   using T = __nv_bfloat16;
   const Problem& pb = p.pb;
-  // Block items: kWarps / g tiles of a level (g = its warps a tile).
-  __shared__ GatherTables<int64_t> t;
+  // Block items: kWarps / g tiles of a level (g = its warps a tile). The
+  // launch keeps N M S below 2^31, so items, tiles and (n, m) indices fit
+  // FastDiv's 31-bit numerators: no 64-bit division routine an item.
+  __shared__ GatherTables<uint32_t> t;
+  __shared__ FastDiv by_items[kMaxLevels], by_tiles_x[kMaxLevels], by_m;
   if (!load_gather_tables(
           p, t, grad_value, [&](const Level& lv) { return tile_warps(pb, lv); },
           [&](const Level& lv, int g) {
@@ -379,22 +393,29 @@ __global__ void __launch_bounds__(kThreads, 3)
           })) {
     return;
   }
+  if (threadIdx.x < pb.L) {
+    by_items[threadIdx.x] = FastDiv(t.items[threadIdx.x]);
+    by_tiles_x[threadIdx.x] = FastDiv(static_cast<uint32_t>((t.levels[threadIdx.x].W + 3) / 4));
+  }
+  if (threadIdx.x == 0) by_m = FastDiv(static_cast<uint32_t>(pb.M));
+  __syncthreads();
   __shared__ TileSmem smem[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   TileSmem& sm = smem[warp];
   const unsigned row_bytes = static_cast<unsigned>(pb.D * sizeof(T));
 
-  for (int64_t item = blockIdx.x; item < t.first[pb.L]; item += gridDim.x) {
+  for (uint32_t item = blockIdx.x; item < t.first[pb.L]; item += gridDim.x) {
     const int l = t.level_of(item);
     const Level lv = t.levels[l];
-    const int g = t.split[l], sub = warp % g;  // uniform over the block
-    const int64_t r = item - t.first[l];
-    const int64_t nm = r / t.items[l];
-    const int tiles_x = (lv.W + 3) / 4;
-    const int64_t tile = (r - nm * t.items[l]) * (kWarps / g) + warp / g;
-    const bool tile_ok = tile < int64_t((lv.H + 3) / 4) * tiles_x;
-    const int y0 = tile_ok ? 4 * static_cast<int>(tile / tiles_x) : 0;
-    const int x0 = tile_ok ? 4 * static_cast<int>(tile % tiles_x) : 0;
+    const int g = t.split[l], lg = __ffs(g) - 1, sub = warp & (g - 1);  // g: a power of two
+    const uint32_t r = item - t.first[l];
+    const uint32_t nm = by_items[l](r);
+    const uint32_t tiles_x = static_cast<uint32_t>((lv.W + 3) / 4);
+    const uint32_t tile = (r - nm * t.items[l]) * uint32_t(kWarps >> lg) + uint32_t(warp >> lg);
+    const bool tile_ok = tile < static_cast<uint32_t>((lv.H + 3) / 4) * tiles_x;
+    const uint32_t ty = by_tiles_x[l](tile);
+    const int y0 = tile_ok ? 4 * static_cast<int>(ty) : 0;
+    const int x0 = tile_ok ? 4 * static_cast<int>(tile - ty * tiles_x) : 0;
     // Run q (lane q < 5): the cells (y0 - 1 + q, x0 - 1 .. min(x0 + 3, W - 1)),
     // consecutive keys.
     const Id kbase = Id(cell_key(nm, p.cell_stride, t.cell_base[l], y0 - 1, x0 - 1, lv.W));
@@ -432,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       }
       return e;
     };
-    const int64_t n = nm / pb.M, m = nm % pb.M;
+    const uint32_t n = by_m(nm), m = nm - n * static_cast<uint32_t>(pb.M);
 
     for (int64_t cp = 0; cp < pb.D; cp += 32) {  // 32-channel passes
       // This lane's 16 bytes (chunk lane % 4) of a grad_output row.
@@ -582,8 +603,9 @@ struct GatherLaunch {
     DeviceLimits d;
     if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
     if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC == 8) {
-      // VEC == 8: grad_output and grad_value 16-byte aligned, D a multiple of 8.
-      if (p.pb.D % 32 == 0) {
+      // VEC == 8: grad_output and grad_value 16-byte aligned, D a multiple of
+      // 8; fewer than 2^31 pixels for the tiles' 32-bit item arithmetic.
+      if (p.pb.D % 32 == 0 && items < (int64_t(1) << 31)) {
         // As many blocks as fit (3 an SM), the rest of the items in turn.
         value_grad_tiles<Id><<<static_cast<unsigned>(d.sms) * 3, kThreads, 0, stream>>>(
             p, rows, wts, static_cast<const Id*>(b.sorted_keys), start, out);
@@ -637,16 +659,8 @@ cudaError_t deterministic_value_grad(const BackwardParams& p, const Deterministi
   cudaError_t err = b.wide ? sort_pairs<uint64_t>(b.temp, bytes, b, stream)
                            : sort_pairs<unsigned>(b.temp, bytes, b, stream);
   if (err != cudaSuccess) return err;
-  const unsigned blocks = grid_for(b.cells + 1);
-  auto* start = static_cast<int64_t*>(b.cell_starts);
-  if (b.wide) {
-    cell_starts_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const uint64_t*>(b.sorted_keys),
-                                                        b.items, b.cells, start);
-  } else {
-    cell_starts_kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const unsigned*>(b.sorted_keys),
-                                                        b.items, b.cells, start);
-  }
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  err = b.wide ? launch_cell_starts<uint64_t>(b, stream) : launch_cell_starts<unsigned>(b, stream);
+  if (err != cudaSuccess) return err;
   const GatherParams g{p.pb, b.vec, p, &b};
   return launch_for_dtypes<GatherLaunch>(g, stream);
 }

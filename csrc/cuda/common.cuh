@@ -396,7 +396,7 @@ inline cudaError_t device_limits(DeviceLimits& d) {
 struct FastDiv {
   uint32_t mul = 1, shift = 0;
   FastDiv() = default;
-  explicit FastDiv(uint32_t d) {  // d >= 1
+  __host__ __device__ explicit FastDiv(uint32_t d) {  // d >= 1
     while ((uint64_t(1) << shift) < d) ++shift;
     mul = static_cast<uint32_t>((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d) / d + 1);
   }
