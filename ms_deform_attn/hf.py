@@ -151,6 +151,25 @@ _FUNCTION_MODULES = (
 )
 
 
+def _attention_weights_wanted(kwargs) -> bool:
+    """Whether the caller will use the attention weights the layer returns:
+    transformers 4.x asks with `output_attentions`; 5.x records them with
+    forward hooks while a collector of attentions is active
+    (transformers.utils.output_capturing). When unsure (a traced or compiled
+    forward, where an unused result is dropped anyway, or a transformers
+    without either), they are made."""
+    if kwargs.get("output_attentions"):
+        return True
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return "output_attentions" not in kwargs
+    collected = _active_collector.get()
+    return collected is not None and any("attentions" in key for key in collected)
+
+
 def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                          encoder_attention_mask=None, position_embeddings=None,
                          reference_points=None, spatial_shapes=None, spatial_shapes_list=None,
@@ -158,8 +177,8 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     """The forward of transformers' DeformableDetrMultiscaleDeformableAttention
     (and of the layers that share it) on ms_deform_attn_fused: the sampling
     locations and the softmax formed inside the operator. The attention
-    weights it returns (for output_attentions) are computed without
-    gradient."""
+    weights it returns are computed, without gradient, only when the caller
+    will use them (output_attentions); None otherwise."""
     if position_embeddings is not None:
         hidden_states = hidden_states + position_embeddings
     n, lq, _ = hidden_states.shape
@@ -174,8 +193,10 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     output = ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points,
                                   offsets, logits, backend=self._msda_backend,
                                   spatial_shapes_list=spatial_shapes_list)
-    with torch.no_grad():
-        weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
+    weights = None
+    if _attention_weights_wanted(kwargs):
+        with torch.no_grad():
+            weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
     return self.output_proj(output), weights
 
 

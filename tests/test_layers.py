@@ -449,8 +449,12 @@ def test_transformers_swap_gradients(device, backend, name, fused):
         getattr(res, output).square().sum().backward()
         outs.append(res)
     assert rel_err(getattr(outs[1], output), getattr(outs[0], output).detach().double()) <= 1e-5
-    for a, b in zip(outs[1].cross_attentions or (), outs[0].cross_attentions or ()):
-        assert rel_err(a, b.detach().double()) <= 1e-5
+    for key in ("encoder_attentions", "cross_attentions"):
+        theirs, ours = getattr(outs[0], key, None), getattr(outs[1], key, None)
+        assert (theirs is None) == (ours is None), key
+        assert len(ours or ()) == len(theirs or ()), key
+        for a, b in zip(ours or (), theirs or ()):
+            assert rel_err(a, b.detach().double()) <= 1e-5, key
     params = list(zip(swapped.named_parameters(), own.named_parameters()))
     # Gradients that cancel to rounding noise (a convolution before a batch
     # norm) are compared against the largest one's scale.
