@@ -46,6 +46,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_fused_backward(
                  sampling_offsets, attention_logits, deterministic);
 }
 
+at::Tensor call_linear(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::_linear", "")
+                       .typed<decltype(call_linear)>();
+  return op.call(input, weight, bias);
+}
+
+at::Tensor call_column_sum(const at::Tensor& grad) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("ms_deform_attn::_column_sum", "")
+                       .typed<decltype(call_column_sum)>();
+  return op.call(grad);
+}
+
 at::Tensor call_fused_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
                               const at::Tensor& level_start_index,
                               const at::Tensor& reference_points,
@@ -104,6 +119,12 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "_ms_deform_attn_fused_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
       "Tensor level_start_index, Tensor reference_points, Tensor sampling_offsets, "
       "Tensor attention_logits, bool deterministic=False) -> (Tensor, Tensor, Tensor)");
+  // The attention layers' linears: at::linear, with a backward whose bias
+  // gradient is _column_sum (torch's sum over the rows of a tall, narrow
+  // gradient runs far below the copy rate). Not for general use.
+  m.def("_linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
+  // grad summed over every dimension but the last, in grad's dtype.
+  m.def("_column_sum(Tensor grad) -> Tensor");
   // Host-side queries: no tensors out, never traced.
   m.def("_available_backends(Device device) -> str[]", &msda::available_backends);
   m.def(

@@ -38,4 +38,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_fused_backward(
     const at::Tensor& level_start_index, const at::Tensor& reference_points,
     const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic);
 
+// ms_deform_attn::_linear (at::linear; its autograd's bias gradient is
+// _column_sum) and _column_sum.
+at::Tensor call_linear(const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias);
+at::Tensor call_column_sum(const at::Tensor& grad);
+
 }  // namespace msda

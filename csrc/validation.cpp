@@ -104,6 +104,17 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
+ColumnSumSizes check_column_sum(const at::Tensor& grad) {
+  TORCH_CHECK(grad.dim() >= 1, "ms_deform_attn._column_sum: grad must have at least 1 dimension, got ",
+              grad.dim());
+  const auto t = grad.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble,
+              "ms_deform_attn._column_sum: grad must be float32, float16, bfloat16 or float64, got ",
+              t);
+  const int64_t cols = grad.size(-1);
+  return {cols == 0 ? 0 : grad.numel() / cols, cols};
+}
+
 Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
                      const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                      const at::Tensor& attention_weights, c10::string_view backend,

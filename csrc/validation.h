@@ -74,4 +74,11 @@ void set_inputs(Params& p, const Prepared& in) {
 
 DType to_dtype(at::ScalarType t);
 
+// _column_sum's argument: a floating tensor of at least one dimension,
+// summed over every dimension but the last (rows: their product).
+struct ColumnSumSizes {
+  int64_t rows, cols;
+};
+ColumnSumSizes check_column_sum(const at::Tensor& grad);
+
 }  // namespace msda

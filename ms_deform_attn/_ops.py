@@ -194,3 +194,14 @@ def _fused_fake(value, spatial_shapes, level_start_index, reference_points, samp
                  lambda: "ms_deform_attn_fused: reference_points must have 4 dimensions")
     n, _, m, d = value.shape
     return value.new_empty((n, reference_points.shape[1], m * d))
+
+
+@torch.library.register_fake("ms_deform_attn::_linear")
+def _linear_fake(input, weight, bias=None):
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("ms_deform_attn::_column_sum")
+def _column_sum_fake(grad):
+    torch._check(grad.dim() >= 1, lambda: "ms_deform_attn._column_sum: grad must have at least 1 dimension")
+    return grad.new_empty((grad.shape[-1],))

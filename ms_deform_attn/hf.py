@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .compat import multi_scale_deformable_attn_pytorch
-from .nn import project
+from .nn import linear, project
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -197,7 +197,7 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     if _attention_weights_wanted(kwargs):
         with torch.no_grad():
             weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
-    return self.output_proj(output), weights
+    return linear(self.output_proj, output), weights
 
 
 def _runs_deformable_detr_forward(layer: nn.Module) -> bool:

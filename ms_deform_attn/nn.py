@@ -19,6 +19,27 @@ from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .reference import ms_deform_attn_pytorch
 
 
+def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for the attention layers' linears. A plain nn.Linear (no
+    hooks, not a subclass) on CUDA runs as ms_deform_attn::_linear: torch's
+    linear forward and backward, but the bias gradient is one read of the
+    output gradient at the copy rate (torch's sum over its rows runs far
+    below it: benchmarks/NOTES.md). Anything else, and traced, compiled or
+    exported code (where the compiler makes its own reduction), calls the
+    module."""
+    if (type(module) is nn.Linear and x.is_cuda and not module._forward_hooks
+            and not module._forward_pre_hooks and not _global_module_hooks()
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch.jit.is_scripting() and not torch.onnx.is_in_onnx_export()):
+        return torch.ops.ms_deform_attn._linear(x, module.weight, module.bias)
+    return module(x)
+
+
+def _global_module_hooks() -> bool:
+    from torch.nn.modules import module as m
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
+
+
 def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
             padding_mask: Optional[torch.Tensor] = None):
     """The three projections of an attention layer with Deformable DETR's
@@ -33,14 +54,14 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
     kind = query.device.type
     if torch.is_autocast_enabled(kind) and query.dtype == torch.float32:
         query = query.to(torch.get_autocast_dtype(kind))
-    value = layer.value_proj(input_flatten)
+    value = linear(layer.value_proj, input_flatten)
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
     value = value.view(n, s, layer.n_heads, layer.d_model // layer.n_heads)
-    offsets = layer.sampling_offsets(query).view(n, lq, layer.n_heads, layer.n_levels,
-                                                 layer.n_points, 2)
-    logits = layer.attention_weights(query).view(n, lq, layer.n_heads,
-                                                 layer.n_levels * layer.n_points)
+    offsets = linear(layer.sampling_offsets, query).view(n, lq, layer.n_heads, layer.n_levels,
+                                                         layer.n_points, 2)
+    logits = linear(layer.attention_weights, query).view(n, lq, layer.n_heads,
+                                                         layer.n_levels * layer.n_points)
     return value, offsets, logits
 
 
@@ -133,7 +154,7 @@ class MSDeformAttn(nn.Module):
             output = ms_deform_attn_fused(value, input_spatial_shapes, input_level_start_index,
                                           reference_points, offsets, logits, backend=self.backend,
                                           spatial_shapes_list=input_spatial_shapes_list)
-            return self.output_proj(output)
+            return linear(self.output_proj, output)
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
         if reference_points.shape[-1] == 2:
             # Offsets are in pixels of each level: divide by (W, H).
@@ -151,4 +172,4 @@ class MSDeformAttn(nn.Module):
             output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
                                     locations, weights, backend=self.backend,
                                     spatial_shapes_list=input_spatial_shapes_list)
-        return self.output_proj(output)
+        return linear(self.output_proj, output)

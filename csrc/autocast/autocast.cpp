@@ -27,13 +27,27 @@ at::Tensor forward_autocast(const at::Tensor& value, const at::Tensor& spatial_s
                       to_fp32(attention_weights), backend, deterministic, spatial_shapes_list);
 }
 
+// _linear as torch's linear runs under autocast: every floating argument
+// but fp64 in the autocast dtype, the parameters' casts cached.
+template <c10::DispatchKey key, c10::DeviceType device>
+at::Tensor linear_autocast(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(key);
+  const auto t = at::autocast::get_lower_precision_fp_from_device_type(device);
+  return call_linear(at::autocast::cached_cast(t, input, device),
+                     at::autocast::cached_cast(t, weight, device),
+                     at::autocast::cached_cast(t, bias, device));
+}
+
 }  // namespace
 }  // namespace msda
 
 TORCH_LIBRARY_IMPL(ms_deform_attn, AutocastCUDA, m) {
   m.impl("ms_deform_attn", &msda::forward_autocast<c10::DispatchKey::AutocastCUDA>);
+  m.impl("_linear", &msda::linear_autocast<c10::DispatchKey::AutocastCUDA, c10::DeviceType::CUDA>);
 }
 
 TORCH_LIBRARY_IMPL(ms_deform_attn, AutocastCPU, m) {
   m.impl("ms_deform_attn", &msda::forward_autocast<c10::DispatchKey::AutocastCPU>);
+  m.impl("_linear", &msda::linear_autocast<c10::DispatchKey::AutocastCPU, c10::DeviceType::CPU>);
 }

@@ -100,6 +100,35 @@ class FusedFunction : public torch::autograd::Function<FusedFunction> {
   }
 };
 
+// The layers' linears (ms_deform_attn::_linear): torch's linear backward,
+// but the bias gradient is _column_sum of the output gradient (one read of
+// it at the copy rate). Saves the input and the weight, as torch's does.
+class LinearFunction : public torch::autograd::Function<LinearFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias) {
+    at::AutoDispatchBelowADInplaceOrView below;
+    at::Tensor out = call_linear(input, weight, bias);
+    ctx->save_for_backward({input, weight});
+    ctx->saved_data["bias"] = bias.has_value() && bias->defined();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &input = saved[0], &weight = saved[1], &grad = grads[0];
+    at::Tensor grad_input, grad_weight, grad_bias;
+    if (ctx->needs_input_grad(0)) grad_input = at::matmul(grad, weight);
+    if (ctx->needs_input_grad(1)) {
+      grad_weight = grad.reshape({-1, grad.size(-1)}).t().mm(input.reshape({-1, input.size(-1)}));
+    }
+    if (ctx->saved_data["bias"].toBool() && ctx->needs_input_grad(2)) {
+      grad_bias = call_column_sum(grad);
+    }
+    return {grad_input, grad_weight, grad_bias};
+  }
+};
+
 class MSDABackwardFunction : public torch::autograd::Function<MSDABackwardFunction> {
  public:
   static variable_list forward(AutogradContext*, const at::Tensor& grad_output,
@@ -148,10 +177,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_autograd(
   return {r[0], r[1], r[2]};
 }
 
+at::Tensor linear_autograd(const at::Tensor& input, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  return LinearFunction::apply(input, weight, bias);
+}
+
 }  // namespace
 }  // namespace msda
 
 TORCH_LIBRARY_IMPL(ms_deform_attn, Autograd, m) {
+  m.impl("_linear", &msda::linear_autograd);
   m.impl("ms_deform_attn", &msda::forward_autograd);
   m.impl("ms_deform_attn_fused", &msda::fused_autograd);
   m.impl("_ms_deform_attn_backward", &msda::backward_autograd);

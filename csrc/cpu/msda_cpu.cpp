@@ -64,10 +64,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
           grad_attn.to(in.attn_dtype_in)};
 }
 
+// _column_sum on the CPU: ATen's sum over the rows.
+at::Tensor column_sum_cpu(const at::Tensor& grad) {
+  const ColumnSumSizes z = check_column_sum(grad);
+  return grad.reshape({z.rows, z.cols}).sum(0);
+}
+
 }  // namespace
 }  // namespace msda
 
 TORCH_LIBRARY_IMPL(ms_deform_attn, CPU, m) {
+  m.impl("_column_sum", &msda::column_sum_cpu);
   m.impl("ms_deform_attn", &msda::forward_cpu);
   m.impl("_ms_deform_attn_backward", &msda::backward_cpu);
 }

@@ -59,6 +59,27 @@ bool dots_mma_ok(const BackwardParams& p);
 // accumulator).
 bool sorted_backward_preferred(const BackwardParams& p);
 
+// Column sums of a row-major [rows, cols] matrix (column_sum.cu): the bias
+// gradient of ms_deform_attn::_linear. The launch's shape comes from
+// column_sum_shape(), which also sizes `partial` (chunks x cols of the
+// accumulation type: float, double for double).
+struct ColumnSumShape {
+  int64_t col_blocks = 0;  // blocks across the columns, 32 vec columns each
+  int64_t chunks = 0;      // blocks down the rows
+  int64_t chunk_rows = 0;  // rows a chunk
+};
+ColumnSumShape column_sum_shape(int64_t rows, int64_t cols, int vec, int sms);
+struct ColumnSumParams {
+  DType dtype = DType::f32;  // of grad and out
+  const void* grad = nullptr;
+  int64_t rows = 0, cols = 0;
+  int vec = 1;               // 16 bytes of grad a lane, or 1 element (pick_vec)
+  ColumnSumShape shape;
+  void* partial = nullptr;
+  void* out = nullptr;       // cols elements
+};
+cudaError_t column_sum(const ColumnSumParams& p, cudaStream_t stream);
+
 // Deterministic grad_value (backward_deterministic.cu), after backward() wrote
 // keys and ids. Sizes in elements; keys and ids are unsigned (wide: uint64).
 struct DeterministicBuffers {

@@ -232,10 +232,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
           grad_logits.to(attention_logits.scalar_type()).view(attention_logits.sizes())};
 }
 
+// _column_sum on CUDA: column_sum.cu's two passes (partial sums of row
+// chunks, then their totals in chunk order).
+at::Tensor column_sum_cuda(const at::Tensor& grad) {
+  const ColumnSumSizes z = check_column_sum(grad);
+  const at::Tensor g = grad.contiguous();
+  at::Tensor out = at::empty({z.cols}, g.options());
+  if (z.cols == 0) return out;
+  const c10::cuda::CUDAGuard guard(g.device());
+  cuda::ColumnSumParams p;
+  p.dtype = to_dtype(g.scalar_type());
+  p.grad = g.data_ptr();
+  p.rows = z.rows;
+  p.cols = z.cols;
+  const int64_t elem = g.element_size();
+  p.vec = cuda::pick_vec(z.cols, elem, static_cast<int>(16 / elem), {p.grad});
+  p.shape = cuda::column_sum_shape(z.rows, z.cols, p.vec,
+                                   at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const auto acc = g.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor partial = at::empty({p.shape.chunks, z.cols}, g.options().dtype(acc));
+  p.partial = partial.data_ptr();
+  p.out = out.data_ptr();
+  C10_CUDA_CHECK(cuda::column_sum(p, at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
 }  // namespace
 }  // namespace msda
 
 TORCH_LIBRARY_IMPL(ms_deform_attn, CUDA, m) {
+  m.impl("_column_sum", &msda::column_sum_cuda);
   m.impl("ms_deform_attn", &msda::forward_cuda);
   m.impl("_ms_deform_attn_backward", &msda::backward_cuda);
   m.impl("ms_deform_attn_fused", &msda::fused_forward_cuda);
