@@ -34,7 +34,9 @@ Model: a full-size transformers DeformableDetrModel built from its config
 memory, transformers' own path against swap_msda, eager and (--compile)
 compiled.
 
-Writes layer.json / model.json under --out and prints a table.
+Writes layer.json / model.json under --out and prints a table. With
+MSDA_PLAIN_LINEARS=1 the layers' linears run as their nn.Linear modules
+instead of ms_deform_attn::_linear (an A/B of the bias gradients).
 """
 from __future__ import annotations
 
@@ -48,8 +50,14 @@ from typing import Callable, Dict, List
 
 import torch
 
+from ms_deform_attn import nn as msnn
 from ms_deform_attn import workloads as W
 from ms_deform_attn.nn import MSDeformAttn
+
+# MSDA_PLAIN_LINEARS=1: the layers call their nn.Linear modules instead of
+# ms_deform_attn::_linear (an A/B of the linears' bias gradients).
+if os.environ.get("MSDA_PLAIN_LINEARS") == "1":
+    msnn.linear = lambda module, x: module(x)
 
 from .timing import time_cpu, time_cuda
 

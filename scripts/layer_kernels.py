@@ -4,8 +4,8 @@ layer's time goes besides the operator.
 
     python scripts/layer_kernels.py [workload] [dtype] [impl ...]
 
-With MSDA_PLAIN_LINEARS=1 the layers call their nn.Linear modules instead of
-ms_deform_attn::_linear (an A/B of the linears' bias gradients).
+With MSDA_PLAIN_LINEARS=1 (benchmarks/layer.py) the layers call their
+nn.Linear modules instead of ms_deform_attn::_linear.
 """
 import os
 import sys
@@ -14,11 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks import layer as B  # noqa: E402
 from kernel_times import profile_table  # noqa: E402
-from ms_deform_attn import nn as msnn  # noqa: E402
 from ms_deform_attn import workloads as W  # noqa: E402
-
-if os.environ.get("MSDA_PLAIN_LINEARS") == "1":
-    msnn.linear = lambda module, x: module(x)
 
 name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
 dname = sys.argv[2] if len(sys.argv) > 2 else "bf16"

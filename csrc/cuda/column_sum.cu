@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int e = 0; e < VEC; ++e) acc[e] = A(0);
   if (c < cols) {
-#pragma unroll 4
+#pragma unroll 8
     for (int64_t r = r0 + warp; r < r1; r += kSumWarps) {
       A v[VEC];
       load_vec<T, VEC>(g + r * cols + c, v);
@@ -49,16 +49,29 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// out[c] = the chunks' partial sums of column c, added in chunk order.
+// out[c] = the chunks' partial sums of column c. Block x: columns
+// [32 x, 32 x + 32), one a lane; warp w adds chunks w, w + kSumWarps, ...
+// (loads in flight together), then the warps' sums are added in warp order.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     column_totals(const acc_t<T>* __restrict__ partial, int64_t chunks, int64_t cols,
                   T* __restrict__ out) {
-  const int64_t c = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
-  acc_t<T> s = partial[c];
-  for (int64_t y = 1; y < chunks; ++y) s += partial[y * cols + c];
-  out[c] = from_acc<T>(s);
+  using A = acc_t<T>;
+  __shared__ A red[kSumWarps][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t c = int64_t(blockIdx.x) * 32 + lane;
+  A s = A(0);
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t y = warp; y < chunks; y += kSumWarps) s += partial[y * cols + c];
+  }
+  red[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && c < cols) {
+#pragma unroll
+    for (int w = 1; w < kSumWarps; ++w) s += red[w][lane];
+    out[c] = from_acc<T>(s);
+  }
 }
 
 }  // namespace
@@ -66,8 +79,9 @@ __global__ void __launch_bounds__(kThreads)
 ColumnSumShape column_sum_shape(int64_t rows, int64_t cols, int vec, int sms) {
   ColumnSumShape s;
   s.col_blocks = (cols + 32 * vec - 1) / (32 * vec);
-  // About four blocks an SM, each a chunk of at least kSumWarps rows.
-  const int64_t want = std::max<int64_t>(1, (int64_t(4) * sms + s.col_blocks - 1) / s.col_blocks);
+  // About a block an SM (eight loads in flight a lane cover the latency),
+  // each a chunk of at least kSumWarps rows: few chunks for the totals.
+  const int64_t want = std::max<int64_t>(1, (int64_t(sms) + s.col_blocks - 1) / s.col_blocks);
   const int64_t most = std::max<int64_t>(1, (rows + kSumWarps - 1) / kSumWarps);
   const int64_t chunks = std::min(want, most);
   s.chunk_rows = std::max<int64_t>(1, (rows + chunks - 1) / chunks);
@@ -90,8 +104,8 @@ cudaError_t column_sum(const ColumnSumParams& p, cudaStream_t stream) {
       column_partials<T, 1><<<grid, kThreads, 0, stream>>>(g, p.rows, p.cols, p.shape.chunk_rows, partial);
     }
     if ((err = cudaGetLastError()) != cudaSuccess) return;
-    column_totals<T><<<grid_for(p.cols), kThreads, 0, stream>>>(partial, p.shape.chunks, p.cols,
-                                                                 static_cast<T*>(p.out));
+    column_totals<T><<<static_cast<unsigned>((p.cols + 31) / 32), kThreads, 0, stream>>>(
+        partial, p.shape.chunks, p.cols, static_cast<T*>(p.out));
     err = cudaGetLastError();
   });
   return err;
