@@ -1,6 +1,7 @@
 // The operator's schemas, the backend queries, and the typed C++ API of the
 // public header. Kernels are registered per dispatch key in cpu/, cuda/,
-// autograd/ and autocast/.
+// autograd/ and autocast/; _linear's forward, at::linear, here.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -136,6 +137,15 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "Tensor sampling_locations, Tensor attention_weights, str backend, "
       "int[]? spatial_shapes_list=None) -> str",
       &msda::reason);
+}
+
+// _linear's forward on every device: torch's linear. What differs from it is
+// its autograd (autograd/autograd.cpp), whose bias gradient is _column_sum.
+TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
+  m.impl("_linear", [](const at::Tensor& input, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& bias) {
+    return at::linear(input, weight, bias);
+  });
 }
 
 // ---- the public C++ API (ms_deform_attn/ms_deform_attn.h) ----------------------
