@@ -612,3 +612,27 @@ def test_layer_linears_use_the_op(monkeypatch):
         grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
     for n, g in grads[0].items():
         assert rel_err(g, grads[1][n].double()) <= 1e-5, n
+
+
+def test_fused_layer_attention_weights_only_when_wanted():
+    """swap_msda's fused layers make the attention weights they return only
+    when the caller will use them: output_attentions (transformers 4.x), an
+    active attentions collector (5.x)."""
+    pytest.importorskip("transformers")
+    from ms_deform_attn.hf import _attention_weights_wanted
+
+    assert _attention_weights_wanted({"output_attentions": True})
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        assert not _attention_weights_wanted({"output_attentions": False})
+        assert _attention_weights_wanted({})
+        return
+    assert not _attention_weights_wanted({})
+    for collected, wanted in (({"attentions": []}, True), ({"cross_attentions": []}, True),
+                              ({"hidden_states": []}, False)):
+        token = _active_collector.set(collected)
+        try:
+            assert _attention_weights_wanted({}) == wanted, collected
+        finally:
+            _active_collector.reset(token)
