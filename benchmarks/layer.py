@@ -54,8 +54,9 @@ from ms_deform_attn import nn as msnn
 from ms_deform_attn import workloads as W
 from ms_deform_attn.nn import MSDeformAttn
 
-# MSDA_PLAIN_LINEARS=1: the layers call their nn.Linear modules instead of
-# ms_deform_attn::_linear (an A/B of the linears' bias gradients).
+# MSDA_PLAIN_LINEARS=1: the layers (MSDeformAttn and swap_msda's fused ones,
+# which call ms_deform_attn.nn.linear) call their nn.Linear modules instead
+# of ms_deform_attn::_linear (an A/B of the linears' bias gradients).
 if os.environ.get("MSDA_PLAIN_LINEARS") == "1":
     msnn.linear = lambda module, x: module(x)
 

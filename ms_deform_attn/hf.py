@@ -22,6 +22,7 @@ when that is none. transformers marks its layer for `kernels` only with the
 """
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from typing import Dict, List, Optional, Tuple
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .compat import multi_scale_deformable_attn_pytorch
-from .nn import linear, project
+from . import nn as layers
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -162,12 +163,22 @@ def _attention_weights_wanted(kwargs) -> bool:
         return True
     if torch.compiler.is_compiling():
         return True
+    collector = _output_collector()
+    if collector is None:
+        return "output_attentions" not in kwargs
+    collected = collector.get()
+    return collected is not None and any("attentions" in key for key in collected)
+
+
+@functools.lru_cache(maxsize=None)
+def _output_collector():
+    """transformers 5.x's collector of recorded outputs, None where there is
+    none; looked up once, not on every layer call."""
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
-        return "output_attentions" not in kwargs
-    collected = _active_collector.get()
-    return collected is not None and any("attentions" in key for key in collected)
+        return None
+    return _active_collector
 
 
 def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
@@ -183,8 +194,8 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
         hidden_states = hidden_states + position_embeddings
     n, lq, _ = hidden_states.shape
     # transformers' attention_mask is True where the pixel is valid.
-    value, offsets, logits = project(self, hidden_states, encoder_hidden_states,
-                                     None if attention_mask is None else ~attention_mask)
+    value, offsets, logits = layers.project(self, hidden_states, encoder_hidden_states,
+                                            None if attention_mask is None else ~attention_mask)
     if reference_points.shape[-1] not in (2, 4):
         raise ValueError("Last dim of reference_points must be 2 or 4, but got "
                          f"{reference_points.shape[-1]}")
@@ -197,7 +208,7 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     if _attention_weights_wanted(kwargs):
         with torch.no_grad():
             weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
-    return linear(self.output_proj, output), weights
+    return layers.linear(self.output_proj, output), weights
 
 
 def _runs_deformable_detr_forward(layer: nn.Module) -> bool:
