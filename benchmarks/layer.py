@@ -14,6 +14,8 @@ Implementations:
                 ms_deform_attn, as Deformable DETR does)
   fused         the same module with fused=True: locations and softmax inside
                 the operator (ms_deform_attn_fused; the module's default)
+  fused-recompute  fused with recompute=True: the operator's inputs (value,
+                offsets, logits) formed again at the backward instead of kept
   pytorch       the same module on the grid_sample reference
   transformers  transformers' DeformableDetrMultiscaleDeformableAttention on its own
                 path, the same weights
@@ -21,12 +23,14 @@ Implementations:
 For each: median step time (CUDA events around an eager step on a GPU, so
 the host's launch gaps count; wall clock on the CPU; gradients set to None
 before each step, as optimizer.zero_grad() does), the bytes the layer
-keeps for its backward (saved tensors, counted with
-torch.autograd.graph.saved_tensors_hooks), and on a GPU the peak memory of
-a step of --encoder-layers stacked layers (residual connections). On a GPU,
-ours, fused and swapped are also timed as CUDA-graph replays (fwd_graph_us,
-fwdbwd_graph_us: GPU time alone; the other two read the level shapes on the
-host and cannot be captured).
+keeps for its backward (saved_bytes: the storages of the saved tensors,
+counted with torch.autograd.graph.saved_tensors_hooks, which do not see
+those the recomputing layers save under their own hooks; kept_bytes on a
+GPU: the memory a forward leaves allocated besides its output), and on a
+GPU the peak memory of a step of --encoder-layers stacked layers (residual
+connections). On a GPU, ours, fused, fused-recompute and swapped are also
+timed as CUDA-graph replays (fwd_graph_us, fwdbwd_graph_us: GPU time alone;
+the other two read the level shapes on the host and cannot be captured).
 
 Model: a full-size transformers DeformableDetrModel built from its config
 (ResNet-50-shaped backbone, no weights, no network), batch 2 at 800 x 1333
@@ -62,7 +66,7 @@ if os.environ.get("MSDA_PLAIN_LINEARS") == "1":
 
 from .timing import time_cpu, time_cuda
 
-IMPLS = ("ours", "fused", "pytorch", "transformers", "swapped")
+IMPLS = ("ours", "fused", "fused-recompute", "pytorch", "transformers", "swapped")
 DTYPES = ("fp32", "bf16")
 
 
@@ -77,7 +81,7 @@ def _time(device: str, step: Callable[[], object], target_ms: float, graph: bool
 
 # Layers a CUDA graph can capture: no host reads of device tensors (the
 # grid_sample reference and transformers' own path read the level shapes).
-GRAPHABLE = ("ours", "fused", "swapped")
+GRAPHABLE = ("ours", "fused", "fused-recompute", "swapped")
 
 
 def _autocast(device: str, dtype: str, cache: bool = True):
@@ -105,8 +109,9 @@ def make_layer(impl: str, wl: W.Workload, d_model: int, device: str) -> torch.nn
     base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto", fused=False)
     if impl == "ours":
         return base.to(device)
-    if impl == "fused":
+    if impl in ("fused", "fused-recompute"):
         base.fused = True
+        base.recompute = impl == "fused-recompute"
         return base.to(device)
     if impl == "pytorch":
         mod = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="pytorch")
@@ -164,6 +169,19 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def kept_bytes(fn: Callable[[], torch.Tensor]) -> int:
+    """GPU memory fn() leaves allocated besides its output: what autograd
+    keeps for the backward, however it keeps it (inputs allocated before,
+    such as the reference points, are not counted)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    kept = torch.cuda.memory_allocated() - base - out.untyped_storage().nbytes()
+    del out
+    return kept
+
+
 def layer_fns(layer: torch.nn.Module, device: str, dname: str, query, flat, ref, shapes, start,
               grad, levels):
     """forward(cache=True) and step() of one layer on layer_inputs(), and
@@ -211,6 +229,8 @@ def bench_layer(args) -> List[Dict]:
                        "fwdbwd_us": _time(device, step, args.target_ms),
                        "fwd_us": _time(device, forward, args.target_ms),
                        "saved_bytes": saved_bytes(forward)}
+                if device == "cuda":
+                    row["kept_bytes"] = kept_bytes(forward)
                 if device == "cuda" and impl in GRAPHABLE:
                     # GPU time without the host's launch gaps: the gradients
                     # of the inputs and weights as fresh tensors (no .grad
@@ -287,7 +307,8 @@ def bench_model(args) -> List[Dict]:
         for compiled in (False, True) if args.compile else (False,):
             model = full_size_deformable_detr(tiny=args.tiny_model)
             if path.startswith("swapped"):
-                swap_msda(model, fused=path == "swapped")
+                swap_msda(model, fused=path != "swapped_unfused",
+                          recompute=path == "swapped_recompute")
             model = model.to(device).train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
             fwd = torch.compile(model) if compiled else model
@@ -330,7 +351,8 @@ def parse_args(argv=None):
     ap.add_argument("--compile", action="store_true", help="--model: also under torch.compile")
     ap.add_argument("--paths", default="transformers,swapped",
                     help="--model: of transformers (its own path), swapped (swap_msda: "
-                         "the fused layers), swapped_unfused (swap_msda(fused=False))")
+                         "the fused layers), swapped_recompute (swap_msda(recompute=True)), "
+                         "swapped_unfused (swap_msda(fused=False))")
     ap.add_argument("--image", default="800x1333", help="--model: H x W")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)

@@ -194,16 +194,18 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
         hidden_states = hidden_states + position_embeddings
     n, lq, _ = hidden_states.shape
     # transformers' attention_mask is True where the pixel is valid.
-    value, offsets, logits = layers.project(self, hidden_states, encoder_hidden_states,
-                                            None if attention_mask is None else ~attention_mask)
+    value, offsets, logits, remakes = layers.project(
+        self, hidden_states, encoder_hidden_states,
+        None if attention_mask is None else ~attention_mask, recompute=self._msda_recompute)
     if reference_points.shape[-1] not in (2, 4):
         raise ValueError("Last dim of reference_points must be 2 or 4, but got "
                          f"{reference_points.shape[-1]}")
     if reference_points.shape[2] == 1:  # one for every level (RT-DETR's decoder)
         reference_points = reference_points.expand(-1, -1, self.n_levels, -1)
-    output = ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points,
-                                  offsets, logits, backend=self._msda_backend,
-                                  spatial_shapes_list=spatial_shapes_list)
+    with layers.recomputing(remakes):
+        output = ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points,
+                                      offsets, logits, backend=self._msda_backend,
+                                      spatial_shapes_list=spatial_shapes_list)
     weights = None
     if _attention_weights_wanted(kwargs):
         with torch.no_grad():
@@ -241,7 +243,8 @@ def _same_code(a, b) -> bool:
     return True
 
 
-def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True) -> int:
+def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True,
+              recompute: bool = False) -> int:
     """Puts this package's operator under every MSDA of a transformers model.
 
     Replaces each `MultiScaleDeformableAttention` submodule defined by
@@ -253,8 +256,10 @@ def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True) -> in
     submodule and run Deformable DETR's own forward (DeformableDetr, RT-DETR,
     LW-DETR, RF-DETR, PP-DocLayout) run on ms_deform_attn_fused instead:
     locations and softmax inside the operator, which keeps the offsets and
-    logits for the backward (their parameters and state_dict unchanged).
-    Returns the number of places swapped.
+    logits for the backward (their parameters and state_dict unchanged), or
+    with `recompute` forms them again at the backward from the projections'
+    inputs (MSDeformAttn's `recompute`: less memory, a little more time). Returns the number of
+    places swapped.
     """
     swapped = 0
     for parent in list(model.modules()):
@@ -265,6 +270,7 @@ def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True) -> in
                 swapped += 1
                 if fused and _runs_deformable_detr_forward(parent):
                     parent._msda_backend = backend
+                    parent._msda_recompute = recompute
                     parent.forward = _fused_layer_forward.__get__(parent)
     families = {type(m).__module__ for m in model.modules()}
     for modname in _FUNCTION_MODULES:

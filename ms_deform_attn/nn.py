@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
+from contextlib import nullcontext
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -40,29 +41,104 @@ def _global_module_hooks() -> bool:
     return bool(m._global_forward_hooks or m._global_forward_pre_hooks)
 
 
+def _plain(module: nn.Module) -> bool:
+    """Whether `module` is an nn.Linear that F.linear on its parameters
+    reproduces: not a subclass, no hooks."""
+    return (type(module) is nn.Linear and not module._forward_hooks
+            and not module._forward_pre_hooks and not _global_module_hooks())
+
+
+class _Remake:
+    """A tensor autograd would keep for the backward, kept instead as the
+    function that forms it again."""
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], torch.Tensor]):
+        self.fn = fn
+
+
+def _remake_linear(module: nn.Linear, x: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor]):
+    """module(x) as project() formed it (x already in the dtype the linear ran
+    in: the autocast cast of the parameters is made again), then finish()."""
+    def fn():
+        bias = None if module.bias is None else module.bias.to(x.dtype)
+        return finish(F.linear(x, module.weight.to(x.dtype), bias))
+    return fn
+
+
+def recomputing(remakes: Sequence[Tuple[torch.Tensor, Callable[[], torch.Tensor]]]):
+    """A context under which autograd, saving a tensor of `remakes` ((tensor,
+    fn) pairs) for the backward, keeps fn instead and calls it at the
+    backward: the operator's value, offsets and logits are formed again from
+    the projections' inputs (which their linears keep anyway) by three GEMMs
+    instead of being held from the forward to the backward."""
+    if not remakes:
+        return nullcontext()
+    # By id, so that the hooks (which autograd may keep beyond the context)
+    # hold no reference to the tensors; they are alive while being packed,
+    # so no other object has their id then.
+    by_id = {id(t): fn for t, fn in remakes}
+
+    def pack(t):
+        fn = by_id.get(id(t))
+        return t if fn is None else _Remake(fn)
+
+    def unpack(x):
+        return x.fn() if isinstance(x, _Remake) else x
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
-            padding_mask: Optional[torch.Tensor] = None):
+            padding_mask: Optional[torch.Tensor] = None, recompute: bool = False):
     """The three projections of an attention layer with Deformable DETR's
     linears and sizes (MSDeformAttn, transformers' layer): value (N, S, M, D),
     zero at padding (padding_mask (N, S) True), sampling offsets
     (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P). Under
     autocast the query is cast once for the offsets' and the logits' linears
     (autocast would cast a non-leaf query once for each, and keep both
-    casts for the backward)."""
+    casts for the backward).
+
+    Returns (value, offsets, logits, remakes): with `recompute`, where
+    autograd records and the three linears are plain nn.Linear, remakes pairs
+    each of the three with the function that forms it again (recomputing());
+    else it is empty."""
     n, lq, _ = query.shape
     s = input_flatten.shape[1]
     kind = query.device.type
-    if torch.is_autocast_enabled(kind) and query.dtype == torch.float32:
-        query = query.to(torch.get_autocast_dtype(kind))
-    value = linear(layer.value_proj, input_flatten)
-    if padding_mask is not None:
-        value = value.masked_fill(padding_mask[..., None], 0.0)
-    value = value.view(n, s, layer.n_heads, layer.d_model // layer.n_heads)
-    offsets = linear(layer.sampling_offsets, query).view(n, lq, layer.n_heads, layer.n_levels,
-                                                         layer.n_points, 2)
-    logits = linear(layer.attention_weights, query).view(n, lq, layer.n_heads,
-                                                         layer.n_levels * layer.n_points)
-    return value, offsets, logits
+    if torch.is_autocast_enabled(kind):
+        low = torch.get_autocast_dtype(kind)
+        if query.dtype == torch.float32:
+            query = query.to(low)
+        if recompute and input_flatten.dtype == torch.float32:
+            # The cast value_proj's remake reads; the linear keeps it anyway.
+            input_flatten = input_flatten.to(low)
+    heads, d_head = layer.n_heads, layer.d_model // layer.n_heads
+
+    def value_of(v):
+        if padding_mask is not None:
+            v = v.masked_fill(padding_mask[..., None], 0.0)
+        return v.view(n, s, heads, d_head)
+
+    def offsets_of(o):
+        return o.view(n, lq, heads, layer.n_levels, layer.n_points, 2)
+
+    def logits_of(a):
+        return a.view(n, lq, heads, layer.n_levels * layer.n_points)
+
+    value = value_of(linear(layer.value_proj, input_flatten))
+    offsets = offsets_of(linear(layer.sampling_offsets, query))
+    logits = logits_of(linear(layer.attention_weights, query))
+    remakes = []
+    mods = (layer.value_proj, layer.sampling_offsets, layer.attention_weights)
+    if (recompute and torch.is_grad_enabled() and all(_plain(m) for m in mods)
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+            and not torch.jit.is_scripting() and not torch.onnx.is_in_onnx_export()):
+        # Under a compiler its partitioner chooses what to keep.
+        remakes = [(value, _remake_linear(layer.value_proj, input_flatten, value_of)),
+                   (offsets, _remake_linear(layer.sampling_offsets, query, offsets_of)),
+                   (logits, _remake_linear(layer.attention_weights, query, logits_of))]
+    return value, offsets, logits, remakes
 
 
 class MSDeformAttn(nn.Module):
@@ -83,10 +159,18 @@ class MSDeformAttn(nn.Module):
             (BENCHMARKS.md "Layer: the fused operator"). False runs them as
             separate PyTorch ops before ms_deform_attn, as Deformable DETR
             does.
+        recompute: with `fused`, the operator's inputs (value, offsets,
+            logits) are not kept from the forward to the backward but formed
+            again there from the projections' inputs, which their linears
+            keep anyway (three GEMMs at the backward): the layer then keeps
+            less than half the memory for its backward, for a few percent
+            more time under bf16 autocast and more in float32 (BENCHMARKS.md
+            "Layer: recomputed projections"). Not under torch.compile, whose
+            partitioner makes this choice itself.
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
-                 backend: str = "auto", fused: bool = True):
+                 backend: str = "auto", fused: bool = True, recompute: bool = False):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}")
@@ -101,6 +185,7 @@ class MSDeformAttn(nn.Module):
         self.n_points = n_points
         self.backend = backend
         self.fused = fused
+        self.recompute = recompute
         self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
         self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
         self.value_proj = nn.Linear(d_model, d_model)
@@ -146,14 +231,18 @@ class MSDeformAttn(nn.Module):
             (N, Lq, d_model).
         """
         n, lq, _ = query.shape
-        value, offsets, logits = project(self, query, input_flatten, input_padding_mask)
+        fused = self.fused and self.backend != "pytorch"
+        value, offsets, logits, remakes = project(self, query, input_flatten, input_padding_mask,
+                                                  recompute=fused and self.recompute)
         if reference_points.shape[-1] not in (2, 4):
             raise ValueError("reference_points.shape[-1] must be 2 or 4, got "
                              f"{reference_points.shape[-1]}")
-        if self.fused and self.backend != "pytorch":
-            output = ms_deform_attn_fused(value, input_spatial_shapes, input_level_start_index,
-                                          reference_points, offsets, logits, backend=self.backend,
-                                          spatial_shapes_list=input_spatial_shapes_list)
+        if fused:
+            with recomputing(remakes):
+                output = ms_deform_attn_fused(value, input_spatial_shapes, input_level_start_index,
+                                              reference_points, offsets, logits,
+                                              backend=self.backend,
+                                              spatial_shapes_list=input_spatial_shapes_list)
             return linear(self.output_proj, output)
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
         if reference_points.shape[-1] == 2:

@@ -156,6 +156,59 @@ def test_autocast_module(device, backend, fused):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ours.parameters())
 
 
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("boxes,mask", [(False, False), (True, True)], ids=["points", "boxes-mask"])
+def test_recompute_matches_keeping(device, backend, autocast, boxes, mask):
+    # The fused layer forming value, offsets and logits again at the
+    # backward: the same output and gradients as keeping them.
+    args = module_inputs(device, boxes=boxes, mask=mask)
+    results = []
+    for recompute in (True, False):
+        layer, _ = make_pair(device, backend, fused=True)
+        layer.recompute = recompute
+        query, flat = (t.clone().requires_grad_() for t in (args[0], args[2]))
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = layer(query, args[1], flat, *args[3:])
+        grads = torch.autograd.grad(out.float().square().sum(), [query, flat, *layer.parameters()])
+        results.append((out, grads))
+    for a, b in zip([results[0][0], *results[0][1]], [results[1][0], *results[1][1]]):
+        assert a.dtype == b.dtype
+        assert torch.isfinite(a).all()
+        # The GEMMs run again on the same inputs: bitwise the same where the
+        # library is deterministic (the CPU), within rounding elsewhere.
+        if device == "cpu":
+            assert torch.equal(a, b)
+        else:
+            assert rel_err(a, b.double()) <= 1e-6
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("recompute", [True, False])
+def test_recompute_drops_the_operator_inputs(device, backend, recompute, monkeypatch):
+    # With recompute the operator's value, offsets and logits are freed after
+    # the forward (autograd keeps a function in their place); without, kept.
+    import weakref
+    import ms_deform_attn.nn as layers
+    made = []
+    real = layers.recomputing
+
+    def spy(remakes):
+        made.extend(weakref.ref(t) for t, _ in remakes)
+        return real(remakes)
+
+    monkeypatch.setattr(layers, "recomputing", spy)
+    layer, _ = make_pair(device, backend, fused=True)
+    layer.recompute = recompute
+    args = module_inputs(device)
+    query = args[0].clone().requires_grad_()
+    out = layer(query, *args[1:])
+    assert len(made) == (3 if recompute else 0)
+    assert all(r() is None for r in made)
+    out.sum().backward()
+    assert query.grad is not None and torch.isfinite(query.grad).all()
+
+
 def linears_as_modules(layer, query, flat):
     """What nn.project computes, by calling the layer's linears as modules on
     the inputs as given."""
@@ -183,7 +236,7 @@ def test_projections_match_the_linears_as_modules(device, autocast):
         torch.manual_seed(3)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             query, flat = query0 * 1.0, flat0 * 1.0  # not leaves, as in a model
-            ys = run(layer, query, flat)
+            ys = run(layer, query, flat)[:3]
         loss = sum((y.float() * torch.randn(y.shape, device=device)).sum() for y in ys)
         results.append((ys, torch.autograd.grad(loss, leaves)))
     tol = 1e-2 if autocast else 1e-6
@@ -429,11 +482,12 @@ def test_transformers_model_swap(device, backend, name, monkeypatch):
 @pytest.mark.parametrize("device,backend", [p for p in device_backends()
                                             if p.values[1] in ("cpu", "baseline", "none")])
 @pytest.mark.parametrize("name", ["deformable_detr", "rt_detr"])
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_transformers_swap_gradients(device, backend, name, fused):
-    """Every parameter's gradient after swap_msda (fused or not) is the one
-    transformers' own path gives, and the attention weights it returns are
-    its too."""
+@pytest.mark.parametrize("fused,recompute", [(True, False), (True, True), (False, False)],
+                         ids=["fused", "fused-recompute", "unfused"])
+def test_transformers_swap_gradients(device, backend, name, fused, recompute):
+    """Every parameter's gradient after swap_msda (fused or not, recomputing
+    or not) is the one transformers' own path gives, and the attention
+    weights it returns are its too."""
     import copy
 
     from ms_deform_attn.hf import swap_msda
@@ -441,7 +495,7 @@ def test_transformers_swap_gradients(device, backend, name, fused):
     factory, (h, w), extra, output, sites = HF_MODELS[name]
     own = factory(device)
     swapped = copy.deepcopy(own)
-    assert swap_msda(swapped, backend=backend, fused=fused) == sites
+    assert swap_msda(swapped, backend=backend, fused=fused, recompute=recompute) == sites
     inputs = {"pixel_values": torch.randn(2, 3, h, w, device=device)}
     outs = []
     for model in (own, swapped):
