@@ -57,12 +57,14 @@ class _Remake:
         self.fn = fn
 
 
-def _remake_linear(module: nn.Linear, x: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor]):
-    """module(x) as project() formed it (x already in the dtype the linear ran
-    in: the autocast cast of the parameters is made again), then finish()."""
+def _remake_linear(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype,
+                   finish: Callable[[torch.Tensor], torch.Tensor]):
+    """module(x) as project() formed it, in `dtype` (autocast's casts of x,
+    where it is not cast already, and of the parameters are made again),
+    then finish()."""
     def fn():
-        bias = None if module.bias is None else module.bias.to(x.dtype)
-        return finish(F.linear(x, module.weight.to(x.dtype), bias))
+        bias = None if module.bias is None else module.bias.to(dtype)
+        return finish(F.linear(x.to(dtype), module.weight.to(dtype), bias))
     return fn
 
 
@@ -106,13 +108,20 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
     n, lq, _ = query.shape
     s = input_flatten.shape[1]
     kind = query.device.type
-    if torch.is_autocast_enabled(kind):
-        low = torch.get_autocast_dtype(kind)
-        if query.dtype == torch.float32:
-            query = query.to(low)
-        if recompute and input_flatten.dtype == torch.float32:
-            # The cast value_proj's remake reads; the linear keeps it anyway.
-            input_flatten = input_flatten.to(low)
+    # The dtypes the linears run in: autocast casts every floating input but
+    # float64.
+    autocast = torch.is_autocast_enabled(kind)
+    low = torch.get_autocast_dtype(kind) if autocast else None
+    q_dtype, v_dtype = (low if autocast and x.dtype != torch.float64 else x.dtype
+                        for x in (query, input_flatten))
+    if autocast and query.dtype == torch.float32:
+        query = query.to(low)
+    if (recompute and autocast and input_flatten.dtype == torch.float32
+            and not (input_flatten.is_leaf and input_flatten.requires_grad)):
+        # The cast value_proj's remake reads (its linear keeps it anyway). A
+        # leaf's cast autocast makes once and caches for every layer that
+        # reads it; the remake casts it again.
+        input_flatten = input_flatten.to(low)
     heads, d_head = layer.n_heads, layer.d_model // layer.n_heads
 
     def value_of(v):
@@ -135,9 +144,9 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and not torch.jit.is_scripting() and not torch.onnx.is_in_onnx_export()):
         # Under a compiler its partitioner chooses what to keep.
-        remakes = [(value, _remake_linear(layer.value_proj, input_flatten, value_of)),
-                   (offsets, _remake_linear(layer.sampling_offsets, query, offsets_of)),
-                   (logits, _remake_linear(layer.attention_weights, query, logits_of))]
+        remakes = [(value, _remake_linear(layer.value_proj, input_flatten, v_dtype, value_of)),
+                   (offsets, _remake_linear(layer.sampling_offsets, query, q_dtype, offsets_of)),
+                   (logits, _remake_linear(layer.attention_weights, query, q_dtype, logits_of))]
     return value, offsets, logits, remakes
 
 

@@ -169,7 +169,9 @@ def test_recompute_matches_keeping(device, backend, autocast, boxes, mask):
         layer.recompute = recompute
         query, flat = (t.clone().requires_grad_() for t in (args[0], args[2]))
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            out = layer(query, args[1], flat, *args[3:])
+            # Leaves (whose casts autocast caches) in one case, activations
+            # (cast here) in the other.
+            out = layer(query, args[1], flat * 1.0 if mask else flat, *args[3:])
         grads = torch.autograd.grad(out.float().square().sum(), [query, flat, *layer.parameters()])
         results.append((out, grads))
     for a, b in zip([results[0][0], *results[0][1]], [results[1][0], *results[1][1]]):
