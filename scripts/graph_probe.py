@@ -7,7 +7,9 @@ traceback.
 
     python scripts/graph_probe.py [workload] [dtype] [impl]   # ddetr_dec bf16 ours
 """
+import contextlib
 import functools
+import os
 import sys
 import traceback
 import warnings
@@ -35,6 +37,18 @@ def main():
         out = g_forward()
         return torch.autograd.grad(out, leaves, grad.to(out.dtype))
 
+    # What the harness runs before its capture: eager steps (backward into
+    # .grad), forwards, and the saved-bytes count; on the default (legacy)
+    # stream as there, or on a side stream with MSDA_PROBE_SIDE=1.
+    side = torch.cuda.Stream() if os.environ.get("MSDA_PROBE_SIDE") == "1" else None
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for _ in range(3):
+            step()
+            forward()
+        B.saved_bytes(forward)
+    torch.cuda.synchronize()
+    for t in leaves:
+        t.grad = None
     g_step()
     torch.cuda.synchronize()
     warnings.simplefilter("always")
