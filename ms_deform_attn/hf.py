@@ -196,7 +196,8 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     # transformers' attention_mask is True where the pixel is valid.
     value, offsets, logits, remakes = layers.project(
         self, hidden_states, encoder_hidden_states,
-        None if attention_mask is None else ~attention_mask, recompute=self._msda_recompute)
+        None if attention_mask is None else ~attention_mask,
+        recompute=getattr(self, "_msda_recompute", False))
     if reference_points.shape[-1] not in (2, 4):
         raise ValueError("Last dim of reference_points must be 2 or 4, but got "
                          f"{reference_points.shape[-1]}")
@@ -258,8 +259,8 @@ def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True,
     locations and softmax inside the operator, which keeps the offsets and
     logits for the backward (their parameters and state_dict unchanged), or
     with `recompute` forms them again at the backward from the projections'
-    inputs (MSDeformAttn's `recompute`: less memory, a little more time). Returns the number of
-    places swapped.
+    inputs (MSDeformAttn's `recompute`: less memory, a little more time).
+    Returns the number of places swapped.
     """
     swapped = 0
     for parent in list(model.modules()):

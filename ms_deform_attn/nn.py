@@ -174,8 +174,8 @@ class MSDeformAttn(nn.Module):
             keep anyway (three GEMMs at the backward): the layer then keeps
             less than half the memory for its backward, for a few percent
             more time under bf16 autocast and more in float32 (BENCHMARKS.md
-            "Layer: recomputed projections"). Not under torch.compile, whose
-            partitioner makes this choice itself.
+            "Seventh run: recomputed projections"). Not under torch.compile,
+            whose partitioner makes this choice itself.
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
@@ -241,8 +241,10 @@ class MSDeformAttn(nn.Module):
         """
         n, lq, _ = query.shape
         fused = self.fused and self.backend != "pytorch"
+        # getattr: a module pickled before the option existed has no attribute.
+        recompute = fused and getattr(self, "recompute", False)
         value, offsets, logits, remakes = project(self, query, input_flatten, input_padding_mask,
-                                                  recompute=fused and self.recompute)
+                                                  recompute=recompute)
         if reference_points.shape[-1] not in (2, 4):
             raise ValueError("reference_points.shape[-1] must be 2 or 4, got "
                              f"{reference_points.shape[-1]}")
