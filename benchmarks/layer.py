@@ -161,7 +161,11 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> int:
             seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
         except (RuntimeError, NotImplementedError):
             pass
-        return t
+        # Detached: a tensor an op saves of its own outputs (softmax's), kept
+        # as itself, would hold its node, which holds it: a cycle that keeps
+        # the graph, and the leaves' AccumulateGrad nodes, alive after the
+        # forward (and broke the unfused layer's CUDA-graph capture here).
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()

@@ -83,7 +83,9 @@ def recomputing(remakes: Sequence[Tuple[torch.Tensor, Callable[[], torch.Tensor]
 
     def pack(t):
         fn = by_id.get(id(t))
-        return t if fn is None else _Remake(fn)
+        # Others detached: an output saved by its own node, kept as itself,
+        # would hold that node, which holds it (a cycle keeping the graph).
+        return t.detach() if fn is None else _Remake(fn)
 
     def unpack(x):
         return x.fn() if isinstance(x, _Remake) else x

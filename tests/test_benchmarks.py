@@ -110,3 +110,28 @@ def test_layer_and_model_benchmarks_run(tmp_path):
                         "1", "--device", "cpu", "--out", str(tmp_path)]) == 0
         rows = json.loads((tmp_path / "model.json").read_text())["rows"]
         assert [r["path"] for r in rows] == ["transformers", "swapped"]
+
+
+@pytest.mark.parametrize("impl", ["ours", "fused", "fused-recompute"])
+def test_saved_bytes_leaves_no_graph_alive(impl):
+    # The count of saved tensors must not keep the forward's graph (and the
+    # leaves' AccumulateGrad nodes) alive: a graph kept from an eager step on
+    # one stream broke a CUDA-graph capture on another. A hook on each
+    # leaf's AccumulateGrad node fires in the next step only if the node
+    # lived on.
+    from benchmarks import layer as LB
+    wl = W.get("m2f_enc/16")
+    query, flat, ref, shapes, start, grad = LB.layer_inputs(wl, 32, "cpu")
+    levels = [tuple(x) for x in wl.levels]
+    layer = LB.make_layer(impl, wl, 32, "cpu")
+    q_in, f_in = (t.detach().clone().requires_grad_() for t in (query, flat))
+    forward, step, leaves = LB.layer_fns(layer, "cpu", "fp32", q_in, f_in, ref, shapes, start,
+                                         grad, levels)
+    assert LB.saved_bytes(forward) > 0
+    fired = []
+    for i, t in enumerate(leaves):
+        node = t.view_as(t).grad_fn.next_functions[0][0]
+        node.register_hook(lambda gi, go, i=i: fired.append(i))
+        del node
+    step()
+    assert fired == []
