@@ -1,8 +1,9 @@
-"""Why a layer's forward + backward fails CUDA-graph capture in
-benchmarks.layer (the unfused layer does there, while tests/test_layers.py's
-graph step passes): one eager step of the harness's graph step under
-torch.cuda.set_sync_debug_mode("warn") (a warning with its stack for every
-host synchronisation), then the harness's capture with the first error's
+"""Whether a layer's forward + backward can be captured as a CUDA graph after
+the eager calls benchmarks.layer makes first (the unfused layer could not
+until its saved-tensor count stopped keeping the graph alive: NOTES.md,
+eighth session): those calls, one step under
+torch.cuda.set_sync_debug_mode("warn") (a warning for every host
+synchronisation), then the harness's capture with the first error's
 traceback.
 
     python scripts/graph_probe.py [workload] [dtype] [impl]   # ddetr_dec bf16 ours
