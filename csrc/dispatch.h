@@ -24,15 +24,13 @@ void dispatch_dtype(DType t, F&& f) {
 // locations and weights in value's dtype, or float32.
 template <typename Half, typename BFloat16, typename F>
 void dispatch_dtypes(const Problem& pb, F&& f) {
-  const bool loc32 = pb.loc_dtype == DType::f32;
-  switch (pb.value_dtype) {
-    case DType::f32: f(Tag<float>{}, Tag<float>{}); break;
-    case DType::f64: loc32 ? f(Tag<double>{}, Tag<float>{}) : f(Tag<double>{}, Tag<double>{}); break;
-    case DType::f16: loc32 ? f(Tag<Half>{}, Tag<float>{}) : f(Tag<Half>{}, Tag<Half>{}); break;
-    case DType::bf16:
-      loc32 ? f(Tag<BFloat16>{}, Tag<float>{}) : f(Tag<BFloat16>{}, Tag<BFloat16>{});
-      break;
-  }
+  dispatch_dtype<Half, BFloat16>(pb.value_dtype, [&](auto t) {
+    if (pb.loc_dtype == DType::f32) {
+      f(t, Tag<float>{});
+    } else {
+      f(t, t);
+    }
+  });
 }
 
 }  // namespace msda

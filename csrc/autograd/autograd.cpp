@@ -110,6 +110,8 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     at::AutoDispatchBelowADInplaceOrView below;
     at::Tensor out = call_linear(input, weight, bias);
     ctx->save_for_backward({input, weight});
+    // Without a bias the node has two inputs: needs_input_grad(2) alone
+    // would be out of range.
     ctx->saved_data["bias"] = bias.has_value() && bias->defined();
     return out;
   }
