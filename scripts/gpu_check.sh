@@ -4,7 +4,7 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes,
-#                               profile, sass, dsmem, cpp, cputhreads, layerk)
+#                               profile, sass, dsmem, cpp, cputhreads, layerk, binned)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -106,6 +106,20 @@ for stage in $STAGES; do
       # Per-kernel GPU times of the attention layer's forward + backward
       # (LAYERK_ARGS="workload dtype impl ...").
       $PY scripts/layer_kernels.py ${LAYERK_ARGS:-ddetr_enc bf16 ours fused} 2>&1 | tee -a "$OUT/layerk.txt" | head -120 ;;
+    binned)
+      # Standalone programs, no library build: the binnings against today's
+      # sort (scripts/binning_bench.cu) and the tile-owner backward prototype
+      # (scripts/binned_backward.cu, self-checking; BINNED_ARGS="workload
+      # target", repeatable with ';' between runs).
+      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/binning_bench scripts/binning_bench.cu \
+        && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/binned \
+             scripts/binned_backward.cu > "$OUT/binned_build.log" 2>&1 || { echo "BINNED BUILD FAILED"; status=1; }
+      for w in ${BINNING_WORKLOADS:-ddetr_enc rtdetr_dec}; do
+        /tmp/binning_bench $w >> "$OUT/binned.txt" 2>&1 || status=1
+      done
+      IFS=';' read -ra runs <<< "${BINNED_ARGS:-ddetr_enc;ddetr_enc 512;ddetr_enc 1024;m2f_enc;bevformer_tsa;dino5_enc;ddetr_enc_crowd}"
+      for r in "${runs[@]}"; do /tmp/binned $r >> "$OUT/binned.txt" 2>&1 || status=1; done
+      cat "$OUT/binned.txt" ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
