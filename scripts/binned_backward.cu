@@ -43,6 +43,15 @@
 #include <string>
 #include <vector>
 
+#include "../csrc/cuda/common.cuh"       // FastDiv
+#include "../csrc/cuda/tensor_core.cuh"  // mma_16816, ldmatrix_x4, cp.async, split_bf16
+
+using msda::cuda::FastDiv;
+using msda::cuda::cp_async16;
+using msda::cuda::cp_async_commit;
+using msda::cuda::ldmatrix_x4;
+using msda::cuda::split_bf16;
+
 #define CHECK(x)                                                                          \
   do {                                                                                    \
     cudaError_t e_ = (x);                                                                 \
@@ -74,18 +83,21 @@ struct Prob {
   long long win_base[kMaxL], win_nm;    // chunk scratch windows, in 32-float pixels
 };
 
-// Division by a divisor fixed at launch (the library's FastDiv).
-struct FastDiv {
-  uint32_t mul = 1, shift = 0;
-  FastDiv() = default;
-  __host__ __device__ explicit FastDiv(uint32_t d) {
-    while ((uint64_t(1) << shift) < d) ++shift;
-    mul = static_cast<uint32_t>((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d) / d + 1);
-  }
-  __device__ __forceinline__ uint32_t operator()(uint32_t n) const { return (__umulhi(n, mul) + n) >> shift; }
-};
-
 __device__ __forceinline__ bool finite_f(float v) { return v - v == 0.f; }
+
+// Sample i's level, group (n, q, m) and its n and m.
+struct SampleAt {
+  int l, m, n;
+  long long g;
+};
+__device__ __forceinline__ SampleAt sample_at(const Prob& pb, long long i) {
+  SampleAt s;
+  s.l = int((i / pb.P) % pb.L);
+  s.g = i / (pb.P * pb.L);
+  s.m = int(s.g % pb.M);
+  s.n = int(s.g / ((long long)pb.Lq * pb.M));
+  return s;
+}
 
 // ---- keys --------------------------------------------------------------------
 // Every kernel forms a sample's pixel coordinates by the same explicitly
@@ -96,9 +108,8 @@ __global__ void keys_kernel(const Prob pb, const float* __restrict__ loc, const 
                             long long items) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= items) return;
-  const int l = int((i / pb.P) % pb.L);
-  const long long g = i / (pb.P * pb.L);
-  const int m = int(g % pb.M), n = int(g / ((long long)pb.Lq * pb.M));
+  const SampleAt at = sample_at(pb, i);
+  const int l = at.l, m = at.m, n = at.n;
   const float x = loc[2 * i], y = loc[2 * i + 1], a = attn[i];
   const int H = pb.H[l], W = pb.W[l];
   unsigned key = pb.bins;
@@ -127,38 +138,6 @@ __global__ void starts_kernel(const unsigned* __restrict__ keys, long long items
   const long long prev = j > 0 ? (long long)min(keys[j - 1], bins) : -1;
   const long long cur = j < items ? (long long)min(keys[j], bins) : (long long)bins;
   for (long long b = prev + 1; b <= cur; ++b) start[b] = unsigned(j);
-}
-
-// ---- tensor-core helpers (the library's tensor_core.cuh) -------------------
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <bool kTrans>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  if constexpr (kTrans) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-  }
-}
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-
-__device__ __forceinline__ void split_bf16(float w, uint16_t& hi, uint16_t& lo) {
-  const bf16 h = __float2bfloat16_rn(w);
-  hi = __bfloat16_as_ushort(h);
-  lo = __bfloat16_as_ushort(__float2bfloat16_rn(w - __bfloat162float(h)));
 }
 
 // ---- the tile kernel ------------------------------------------------------------
@@ -303,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int cur = j < c_count ? int(sm.skey[j]) : kCellKeys;
         for (int k = prev + 1; k <= cur; ++k) sm.cstart[k] = static_cast<uint16_t>(j);
       }
-      cp_async_wait_all();
+      msda::cuda::cp_async_wait<0>();
       __syncthreads();
 
       // (b) The dots: 32 samples a warp task, two a tensor-core tile (the
@@ -336,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           const uint4 bw = __ldg(reinterpret_cast<const uint4*>(gout + (size_t)rb * kD + 8 * t));
           const uint32_t b0 = (lane & 4) ? bw.y : bw.x, b1 = (lane & 4) ? bw.w : bw.z;
           float c[4] = {0.f, 0.f, 0.f, 0.f};
-          mma_bf16(c, {av.x, av.y, av.z, av.w}, b0, b1);
+          msda::cuda::mma_16816<bf16>(c, {av.x, av.y, av.z, av.w}, b0, b1);
           if (t == (ga >> 2)) reinterpret_cast<float*>(&ws.dots[slot])[ga & 3] = c[0] + c[3];
         }
         __syncwarp();
@@ -443,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 2)
               if (in[k]) split_bf16(wk[k], plane[off[k]], plane[off[k] + 256]);
             }
           }
-          cp_async_wait_all();
+          msda::cuda::cp_async_wait<0>();
           __syncwarp();
           const int mi = lane / 8, rr = lane % 8;
 #pragma unroll
@@ -461,8 +440,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
               const uint32_t b0 = bq[c >> 1][2 * (c & 1)], b1 = bq[c >> 1][2 * (c & 1) + 1];
-              mma_bf16(acc[c], ahi, b0, b1);
-              mma_bf16(acc[c], alo, b0, b1);
+              msda::cuda::mma_16816<bf16>(acc[c], ahi, b0, b1);
+              msda::cuda::mma_16816<bf16>(acc[c], alo, b0, b1);
             }
           }
           __syncwarp();  // W and G are rewritten by the next round
@@ -570,9 +549,9 @@ __global__ void reference_kernel(const Prob pb, const bf16* __restrict__ value, 
                                  float* gv, float* grad_loc, float* grad_attn, long long items) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= items) return;
-  const int l = int((i / pb.P) % pb.L);
-  const long long g = i / (pb.P * pb.L);
-  const int m = int(g % pb.M), n = int(g / ((long long)pb.Lq * pb.M));
+  const SampleAt at = sample_at(pb, i);
+  const int l = at.l, m = at.m, n = at.n;
+  const long long g = at.g;
   const float x = loc[2 * i], y = loc[2 * i + 1], a = attn[i];
   const int H = pb.H[l], W = pb.W[l];
   if (!(finite_f(x) && finite_f(y) && finite_f(a))) {

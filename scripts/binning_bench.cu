@@ -71,20 +71,33 @@ __device__ __forceinline__ void cell_of(const float* loc, int H, int W, int& h0,
   w0 = in ? int(floorf(w)) : 0;
 }
 
+// Sample i's level, (n, m) and bilinear cell (h0, w0); `in`: the footprint
+// touches the map.
+struct SampleCell {
+  int l, m, h0, w0;
+  long long n;
+  bool in;
+};
+__device__ __forceinline__ SampleCell sample_cell(const Problem& pb, long long i, const float* loc) {
+  SampleCell c;
+  c.l = int((i / pb.P) % pb.lv.L);
+  const long long g = i / (pb.P * pb.lv.L);
+  c.m = int(g % pb.M);
+  c.n = g / ((long long)pb.Lq * pb.M);
+  cell_of(loc + 2 * i, pb.lv.H[c.l], pb.lv.W[c.l], c.h0, c.w0, c.in);
+  return c;
+}
+
 // Today's keys (backward.cu write_key): (n M + m) cell_stride + cell_base[l]
 // + (h0 + 1)(W + 1) + w0 + 1; past the last cell when the footprint misses.
 __global__ void cell_keys_kernel(const float* __restrict__ loc, Problem pb, unsigned* keys,
                                  unsigned* ids, long long items) {
   const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= items) return;
-  const int P = pb.P, L = pb.lv.L;
-  const int l = int((i / P) % L);
-  const long long g = i / (P * L);
-  const int m = int(g % pb.M);
-  const long long n = g / ((long long)pb.Lq * pb.M);
-  int h0, w0;
-  bool in;
-  cell_of(loc + 2 * i, pb.lv.H[l], pb.lv.W[l], h0, w0, in);
+  const SampleCell sc = sample_cell(pb, i, loc);
+  const int l = sc.l, m = sc.m, h0 = sc.h0, w0 = sc.w0;
+  const long long n = sc.n;
+  const bool in = sc.in;
   const long long key = in ? (n * pb.M + m) * pb.cell_stride + pb.lv.cell_base[l] +
                                  (long long)(h0 + 1) * (pb.lv.W[l] + 1) + (w0 + 1)
                            : pb.N * pb.M * pb.cell_stride;
@@ -94,14 +107,10 @@ __global__ void cell_keys_kernel(const float* __restrict__ loc, Problem pb, unsi
 
 __device__ __forceinline__ unsigned bin_of(const Problem& pb, long long i, const float* loc,
                                            unsigned none) {
-  const int P = pb.P, L = pb.lv.L;
-  const int l = int((i / P) % L);
-  const long long g = i / (P * L);
-  const int m = int(g % pb.M);
-  const long long n = g / ((long long)pb.Lq * pb.M);
-  int h0, w0;
-  bool in;
-  cell_of(loc + 2 * i, pb.lv.H[l], pb.lv.W[l], h0, w0, in);
+  const SampleCell sc = sample_cell(pb, i, loc);
+  const int l = sc.l, m = sc.m, h0 = sc.h0, w0 = sc.w0;
+  const long long n = sc.n;
+  const bool in = sc.in;
   if (!in) return none;
   const int ct = pb.lv.ct[l];
   const int ty = (h0 + 1) / ct, tx = (w0 + 1) / ct;

@@ -365,12 +365,6 @@ struct TileEntry {
   int run = -1;                     // its run (cell row y0 - 1 + run); none: -1
 };
 
-__device__ __forceinline__ void split_bf16(float w, uint16_t& hi, uint16_t& lo) {
-  const __nv_bfloat16 h = __float2bfloat16_rn(w);
-  hi = __bfloat16_as_ushort(h);
-  lo = __bfloat16_as_ushort(__float2bfloat16_rn(w - __bfloat162float(h)));
-}
-
 // 80 registers, 3 blocks an SM (at 64 it spills). A G copied a round ahead
 // into a second buffer measured slower (benchmarks/NOTES.md).
 template <typename Id>

@@ -71,4 +71,13 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// A weight as a bf16 high part and the bf16 rounding of what is left, so
+// that an mma over both (each against the same B) sums it to about fp32
+// precision.
+__device__ __forceinline__ void split_bf16(float w, uint16_t& hi, uint16_t& lo) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(w);
+  hi = __bfloat16_as_ushort(h);
+  lo = __bfloat16_as_ushort(__float2bfloat16_rn(w - __bfloat162float(h)));
+}
+
 }  // namespace msda::cuda
