@@ -44,12 +44,11 @@
 #include <vector>
 
 #include "../csrc/cuda/common.cuh"       // FastDiv
-#include "../csrc/cuda/tensor_core.cuh"  // mma_16816, ldmatrix_x4, cp.async, split_bf16
+#include "../csrc/cuda/tensor_core.cuh"  // mma_16816, cp.async, split_bf16, wtg_round
 
 using msda::cuda::FastDiv;
 using msda::cuda::cp_async16;
 using msda::cuda::cp_async_commit;
-using msda::cuda::ldmatrix_x4;
 using msda::cuda::split_bf16;
 
 #define CHECK(x)                                                                          \
@@ -424,26 +423,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           }
           msda::cuda::cp_async_wait<0>();
           __syncwarp();
-          const int mi = lane / 8, rr = lane % 8;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            uint32_t ahi[4], alo[4], bq[2][4];
-            const int pix = (mi & 1) * 8 + rr, acol = 8 * ((mi >> 1) ^ ((pix >> 2) & 1));
-            ldmatrix_x4<false>(ahi, &ws.a[h][0][pix][acol]);
-            ldmatrix_x4<false>(alo, &ws.a[h][1][pix][acol]);
-            const int s2 = 16 * h + (mi & 1) * 8 + rr;
-#pragma unroll
-            for (int cp = 0; cp < 2; ++cp) {
-              const int q = 2 * cp + (mi >> 1);
-              ldmatrix_x4<true>(bq[cp], &ws.b[s2][8 * (q ^ ((s2 >> 1) & 3))]);
-            }
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-              const uint32_t b0 = bq[c >> 1][2 * (c & 1)], b1 = bq[c >> 1][2 * (c & 1) + 1];
-              msda::cuda::mma_16816<bf16>(acc[c], ahi, b0, b1);
-              msda::cuda::mma_16816<bf16>(acc[c], alo, b0, b1);
-            }
-          }
+          msda::cuda::wtg_round<bf16>(acc, ws.a, ws.b, lane);
           __syncwarp();  // W and G are rewritten by the next round
         }
         if (g > 1) {  // the sub-tile's warps' sums, added in warp order

@@ -242,7 +242,7 @@ Problem make_problem(const std::string& name, bool& encoder) {
   std::vector<std::pair<int, int>> lv;
   const std::vector<std::pair<int, int>> ddetr = {{100, 167}, {50, 84}, {25, 42}, {13, 21}};
   if (name == "ddetr_enc") {
-    pb.N = 2; lv = ddetr; encoder = true; pb.Lq = 0;
+    pb.N = 2; lv = ddetr; encoder = true;
   } else if (name == "dino5_enc") {
     pb.N = 1; lv = {{200, 334}}; lv.insert(lv.end(), ddetr.begin(), ddetr.end()); encoder = true;
   } else if (name == "rtdetr_dec") {

@@ -497,26 +497,7 @@ __global__ void __launch_bounds__(kThreads, 3)
       // acc += W^T G (after the copies are waited for).
       auto multiply = [&]() {
         __syncwarp();
-        const int mi = lane / 8, rr = lane % 8;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          uint32_t ahi[4], alo[4], b[2][4];
-          const int pix = (mi & 1) * 8 + rr, acol = 8 * ((mi >> 1) ^ ((pix >> 2) & 1));
-          ldmatrix_x4<false>(ahi, &sm.a[h][0][pix][acol]);
-          ldmatrix_x4<false>(alo, &sm.a[h][1][pix][acol]);
-          const int s = 16 * h + (mi & 1) * 8 + rr;
-#pragma unroll
-          for (int cpair = 0; cpair < 2; ++cpair) {
-            const int q = 2 * cpair + (mi >> 1);
-            ldmatrix_x4<true>(b[cpair], &sm.b[s][8 * (q ^ ((s >> 1) & 3))]);
-          }
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const uint32_t b0 = b[c >> 1][2 * (c & 1)], b1 = b[c >> 1][2 * (c & 1) + 1];
-            mma_16816<T>(acc[c], ahi, b0, b1);
-            mma_16816<T>(acc[c], alo, b0, b1);
-          }
-        }
+        wtg_round<T>(acc, sm.a, sm.b, lane);
         __syncwarp();  // W and G are rewritten by the next round
       };
       const Id step = Id(32 * g);
