@@ -608,8 +608,15 @@ template <typename K>
 cudaError_t sort_pairs(void* temp, size_t& temp_bytes, DeterministicBuffers& b, cudaStream_t stream) {
   cub::DoubleBuffer<K> keys(static_cast<K*>(b.keys), static_cast<K*>(b.sorted_keys));
   cub::DoubleBuffer<K> ids(static_cast<K*>(b.ids), static_cast<K*>(b.sorted_ids));
+  // 32-bit offsets on the large sorts: cub then takes more items a thread
+  // (faster on ddetr_enc, slower on rtdetr_dec's 0.46 M; benchmarks/NOTES.md,
+  // tenth session). The size query goes through here too, so the temp
+  // storage matches the call.
+  const bool offsets32 = b.items >= (int64_t(1) << 22) && b.items <= int64_t(INT32_MAX);
   const cudaError_t err =
-      cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, ids, b.items, 0, b.end_bit, stream);
+      offsets32 ? cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, ids, static_cast<uint32_t>(b.items),
+                                                  0, b.end_bit, stream)
+                : cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, ids, b.items, 0, b.end_bit, stream);
   if (temp != nullptr) {
     b.sorted_keys = keys.Current();
     b.sorted_ids = ids.Current();
