@@ -230,7 +230,14 @@ def test_gradients_on_workloads(device, backend, workload, dtype, deterministic)
     (64, [(1, 1), (2, 3)], 2, 7, False),             # 1 x 1 level, footprints mostly off the map
     (32, [(4, 4)] * 5, 8, 9, False),                 # 40 padded samples: the FFMA kernel
     (32, [(9, 11), (5, 6)], 4, 23, True),            # value not 16-byte aligned: the FFMA kernel
-], ids=["d96-p3", "d128-p1", "p5", "lp32", "tiny-levels", "lp40-ffma", "misaligned-ffma"])
+    # L Pp not dividing 32 with enough queries (8 warp tasks a resident warp
+    # on 132 SMs and more): the flat slot sequence, groups straddling tasks
+    (32, [(9, 11), (5, 6), (3, 3)], 4, 16001, False),  # L Pp = 12
+    (64, [(9, 11), (5, 6), (3, 3), (2, 2), (1, 1)], 4, 9001, False),  # 20, two channel passes
+    (32, [(6, 7), (5, 5), (4, 3), (3, 3), (2, 3), (2, 2), (1, 2)], 4, 7001, False),  # 28
+    (32, [(9, 11), (5, 6), (3, 3)], 3, 16003, False),  # 12 with a padding slot a level
+], ids=["d96-p3", "d128-p1", "p5", "lp32", "tiny-levels", "lp40-ffma", "misaligned-ffma",
+        "flat-lp12", "flat-lp20-d64", "flat-lp28", "flat-lp12-p3"])
 def test_deterministic_dots_on_tensor_cores(dtype, d, shapes, p, lq, misaligned):
     inputs = make_inputs(3, lq, 3, d, shapes, p, dtype, torch.float32, device="cuda")
     value, shapes_t, start, loc, attn = inputs

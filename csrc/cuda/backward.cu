@@ -476,16 +476,23 @@ __device__ __forceinline__ float row_reduce(float v, int LPp, int lane, float* t
 }
 
 // by_lqm, by_m: division by Lq M and by M (groups below 2^31); tasks: warp
-// tasks in all. kOnePass: D == 32, one channel pass a tile, so that the
+// tasks in all. kFlat (not with kFused; by_lpp: division by L Pp): the
+// slots of all groups are one sequence, 32 a task, so that a group may
+// straddle two tasks and no lane idles when L Pp does not divide 32 (L = 3
+// or 5 at P = 4: a quarter or 3/8 of the lanes otherwise); without it a task
+// is 32 / (L Pp) whole groups (the two agree when L Pp divides 32). kFused
+// needs whole groups: its softmax reduces over a group's slots in the warp.
+// kOnePass: D == 32, one channel pass a tile, so that the
 // unrolled tiles' loads may be in flight together. kFused
 // (ms_deform_attn_fused, p.ref set): the samples are formed from offsets and
 // logits (the row's softmax by row_reduce over its slots), the gradients
 // written are those of the offsets and logits, and each row's softmax max
 // and reciprocal sum go to p.row_stats for pack_samples.
-template <typename T, typename LT, bool kOnePass, bool kFused>
+template <typename T, typename LT, bool kOnePass, bool kFused, bool kFlat = false>
 __global__ void __launch_bounds__(kThreads, 4)
     dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m,
-                    const int64_t tasks) {
+                    const FastDiv by_lpp, const int64_t tasks) {
+  static_assert(!(kFused && kFlat), "the fused kernel reduces over whole groups");
   using A = float;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
@@ -496,8 +503,9 @@ __global__ void __launch_bounds__(kThreads, 4)
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Pp = padded_points(pb.P), LPp = pb.L * Pp, groups = 32 / LPp;
-  const int rj = lane / LPp, l = (lane % LPp) / Pp, pt = (lane % LPp) % Pp;
-  const bool slot_ok = lane < groups * LPp && pt < pb.P;
+  const int rj = lane / LPp;
+  int l = (lane % LPp) / Pp, pt = (lane % LPp) % Pp;
+  bool slot_ok = lane < groups * LPp && pt < pb.P;
   const int g = lane >> 2, t = lane & 3;
   const float half_p = 0.5f / float(pb.P);  // kFused, boxes
   const int64_t G = pb.N * pb.Lq * pb.M;
@@ -506,7 +514,7 @@ __global__ void __launch_bounds__(kThreads, 4)
   // tiles 8-15 those from the group of slot 16 (either way the tiles' groups
   // are among the four). Bit k of `writes`: tile k's group is this lane's t
   // of its four, so this lane holds its corner g's dot.
-  const int first_hi = 16 / LPp;
+  int first_hi = 16 / LPp;
   uint32_t writes = 0;
 #pragma unroll
   for (int k = 0; k < kDotsTiles; ++k) {
@@ -522,7 +530,36 @@ __global__ void __launch_bounds__(kThreads, 4)
 
   for (int64_t task = int64_t(blockIdx.x) * kDotsWarps + warp; task < tasks;
        task += int64_t(gridDim.x) * kDotsWarps) {
-    const int64_t group = task * groups + rj;
+    int64_t group = task * groups + rj;
+    uint32_t task_group = static_cast<uint32_t>(task) * groups;
+    if constexpr (kFlat) {
+      // Slot task * 32 + lane of the sequence (below 2^31: the launch), in
+      // group rel of the four from the task's first group task_group.
+      const uint32_t s0 = static_cast<uint32_t>(task) * 32u, sl = s0 + lane;
+      task_group = by_lpp(s0);
+      const uint32_t grp = by_lpp(sl), ip = sl - grp * static_cast<uint32_t>(LPp);
+      group = grp;
+      l = static_cast<int>(ip) / Pp;
+      pt = static_cast<int>(ip) - l * Pp;
+      slot_ok = pt < pb.P;
+      const uint32_t rel = grp - task_group;
+      first_hi = __shfl_sync(0xffffffffu, static_cast<int>(rel), 16);
+      // Bit k of writes: tile k (slots 2 k, 2 k + 1, one group since L Pp is
+      // a multiple of 4) is of group first + t, first = task_group for tiles
+      // 0-7 and task_group + first_hi for tiles 8-15. From the ballots of
+      // the slots in each group, their even bits (one a tile) compressed.
+      writes = 0;
+#pragma unroll
+      for (uint32_t v = 0; v < 4; ++v) {
+        uint32_t m = __ballot_sync(0xffffffffu, rel == v) & 0x55555555u;
+        m = (m | (m >> 1)) & 0x33333333u;
+        m = (m | (m >> 2)) & 0x0f0f0f0fu;
+        m = (m | (m >> 4)) & 0x00ff00ffu;
+        m = (m | (m >> 8)) & 0x0000ffffu;
+        if (v == static_cast<uint32_t>(t)) writes |= m & 0xffu;
+        if (v == static_cast<uint32_t>(t + first_hi)) writes |= m & 0xff00u;
+      }
+    }
     const bool live = slot_ok && group < G;
     const uint32_t g32 = static_cast<uint32_t>(min(group, G - 1));
     const uint32_t n = by_lqm(g32), m = g32 - by_m(g32) * static_cast<uint32_t>(pb.M);
@@ -579,7 +616,6 @@ __global__ void __launch_bounds__(kThreads, 4)
     // This lane's B words of channel pass `off`: group (lane / 8) of the four
     // from `first` (past the last group: the last one's row, its dots
     // unused), half (lane / 4) % 2.
-    const uint32_t task_group = static_cast<uint32_t>(task) * groups;
     auto b_words = [&](int first, unsigned off) {
       const uint32_t grp = min(task_group + first + lane / 8, last_group);
       const uint4 w = load16(glane + uint64_t(grp) * row_bytes + off);
@@ -662,21 +698,34 @@ struct DotsLaunch {
       if (!dots_mma_ok(p)) return Launch<T, LT, VEC>::run(p, stream);
       const Problem& pb = p.pb;
       const int LPp = pb.L * padded_points(pb.P);
-      const int64_t tasks = (pb.N * pb.Lq * pb.M + 32 / LPp - 1) / (32 / LPp);
-      if (tasks == 0) return cudaSuccess;
+      const int64_t G = pb.N * pb.Lq * pb.M;
       DeviceLimits d;
       if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+      // The flat slot sequence (dots_mma_kernel's kFlat) where whole groups
+      // leave lanes idle, its slots indexed in 32 bits, and only with at
+      // least 8 tasks a warp that fits at once: faster there on the encoders,
+      // slower on a decoder's few tasks (benchmarks/NOTES.md, tenth session).
+      const int64_t resident_warps = int64_t(d.sms) * 4 * kDotsWarps;
+      const bool flat = p.ref == nullptr && 32 % LPp != 0 && G * LPp + 32 <= int64_t(INT32_MAX) &&
+                        (G * LPp + 31) / 32 >= 8 * resident_warps;
+      const int64_t tasks = flat ? (G * LPp + 31) / 32 : (G + 32 / LPp - 1) / (32 / LPp);
+      if (tasks == 0) return cudaSuccess;
       // The blocks that fit at once (4 an SM: __launch_bounds__), the rest of
       // the tasks in turn.
       const int64_t blocks = std::min<int64_t>((tasks + kDotsWarps - 1) / kDotsWarps, int64_t(d.sms) * 4);
-      const FastDiv by_lqm(static_cast<uint32_t>(pb.Lq * pb.M)), by_m(static_cast<uint32_t>(pb.M));
+      const FastDiv by_lqm(static_cast<uint32_t>(pb.Lq * pb.M)), by_m(static_cast<uint32_t>(pb.M)),
+          by_lpp(static_cast<uint32_t>(LPp));
       const unsigned grid = static_cast<unsigned>(blocks);
       if (p.ref != nullptr) {
-        pb.D == 32 ? dots_mma_kernel<T, LT, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks)
-                   : dots_mma_kernel<T, LT, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks);
+        pb.D == 32 ? dots_mma_kernel<T, LT, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
+                   : dots_mma_kernel<T, LT, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
+      } else if (flat) {
+        pb.D == 32
+            ? dots_mma_kernel<T, LT, true, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
+            : dots_mma_kernel<T, LT, false, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
       } else {
-        pb.D == 32 ? dots_mma_kernel<T, LT, true, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks)
-                   : dots_mma_kernel<T, LT, false, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, tasks);
+        pb.D == 32 ? dots_mma_kernel<T, LT, true, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
+                   : dots_mma_kernel<T, LT, false, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
       }
       return cudaGetLastError();
     } else {
