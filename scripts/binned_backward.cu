@@ -64,7 +64,7 @@ using bf16 = __nv_bfloat16;
 constexpr int kD = 32;
 constexpr int kMaxL = 8;
 constexpr int kThreads = 256, kWarps = kThreads / 32;
-constexpr int kE = 1024;                  // samples a chunk
+constexpr int kE = 512;                   // samples a chunk
 constexpr int kItems = kE / kThreads;     // a thread's samples in the in-block sort
 constexpr int kMaxT = 20;                 // tile side cap (cells)
 constexpr int kMaxWin = (kMaxT + 1) * (kMaxT + 1);
@@ -147,7 +147,6 @@ struct __align__(16) WarpSmem {
     uint16_t a[2][2][16][16];  // W: [k-step][hi, lo][pixel][sample] (value_grad_tiles' layout)
     float red[16][32];         // a split sub-tile's sums
   };
-  uint16_t b[32][32];          // G: chunk q of sample s at chunk q ^ ((s >> 1) & 3)
   int corners[32][4];          // dots: a slot's corner pixels in the window
   float4 dots[32];
   unsigned pre[5], off[5];     // a sub-tile's runs: exclusive prefix, first - prefix
@@ -155,6 +154,8 @@ struct __align__(16) WarpSmem {
 
 struct __align__(16) BinSmem {
   uint16_t vwin[kMaxWin][kD];  // the value window, a pixel's row at [r (T + 1) + c]
+  uint16_t g[kE][kD];          // the chunk's grad_output rows, chunk q of e at q ^ ((e >> 1) & 3)
+  uint16_t zero[kD];           // G of a round's empty entries
   unsigned id[kE];
   float lh[kE], lw[kE], w[kE];
   uint16_t cell[kE];           // lcy << 5 | lcx, by chunk position e
@@ -262,11 +263,17 @@ __global__ void __launch_bounds__(kThreads, 2)
           sm.lh[e] = h - hf;
           sm.lw[e] = w - wf;
           sm.w[e] = attn[id];
+          const unsigned grow = by_lp(id);
+#pragma unroll
+          for (int q = 0; q < 4; ++q)
+            cp_async16(&sm.g[e][8 * (q ^ ((e >> 1) & 3))], gout + (size_t)grow * kD + 8 * q, 16);
           const unsigned short cell = static_cast<unsigned short>((lcy << kCellBits) | lcx);
           sm.cell[e] = cell;
           keys[j] = cell;
         }
       }
+      cp_async_commit();
+      if (tid < kD / 2) reinterpret_cast<unsigned*>(sm.zero)[tid] = 0u;
       BlockSort(sm.sort).Sort(keys, vals, 0, 2 * kCellBits);
 #pragma unroll
       for (int j = 0; j < kItems; ++j) {
@@ -293,11 +300,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int e = task * 32 + lane;
         const bool live = e < c_count;
         int lcy = 0, lcx = 0;
-        unsigned row = 0;
         if (live) {
           lcy = sm.cell[e] >> kCellBits;
           lcx = sm.cell[e] & ((1 << kCellBits) - 1);
-          row = by_lp(sm.id[e]);
         }
         const int p0 = lcy * nwin + lcx;  // the cell's top-left corner in the window
         ws.corners[lane][0] = p0;
@@ -310,8 +315,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int k = 0; k < 16; ++k) {
           const int slot = 2 * k + (ga >> 2);
           const uint4 av = *reinterpret_cast<const uint4*>(&sm.vwin[ws.corners[slot][ga & 3]][8 * t]);
-          const unsigned rb = __shfl_sync(0xffffffffu, row, 2 * k + min(lane >> 3, 1));
-          const uint4 bw = __ldg(reinterpret_cast<const uint4*>(gout + (size_t)rb * kD + 8 * t));
+          // Past the chunk's end a slot reads a stale row: its dots are not used.
+          const int eb = min(task * 32 + 2 * k + min(lane >> 3, 1), kE - 1);
+          const uint4 bw = *reinterpret_cast<const uint4*>(&sm.g[eb][8 * (t ^ ((eb >> 1) & 3))]);
           const uint32_t b0 = (lane & 4) ? bw.y : bw.x, b1 = (lane & 4) ? bw.w : bw.z;
           float c[4] = {0.f, 0.f, 0.f, 0.f};
           msda::cuda::mma_16816<bf16>(c, {av.x, av.y, av.z, av.w}, b0, b1);
@@ -374,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (unsigned v0 = unsigned(sub) * 32; v0 < total; v0 += 32u * unsigned(g)) {
           // This lane's entry of the round.
           const unsigned v = v0 + lane;
-          unsigned grow = ~0u;
+          int ent = -1;  // the entry's chunk position, -1: none
           int py = -8, px = -8;
           float wk[4] = {0.f, 0.f, 0.f, 0.f};
           if (v < total) {
@@ -390,18 +396,17 @@ __global__ void __launch_bounds__(kThreads, 2)
             wk[1] = a * (1.f - lh) * lw;
             wk[2] = a * lh * (1.f - lw);
             wk[3] = a * lh * lw;
-            grow = by_lp(sm.id[e]);
+            ent = e;
           }
-          // G: lane copies chunk lane % 4 of samples lane / 4 + 8 i.
+          // G: the round's rows where the chunk staged them.
+          const uint16_t* grows[2];
+          int gswz[2];
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int s2 = lane / 4 + 8 * i, q = lane % 4;
-            const unsigned r = __shfl_sync(0xffffffffu, grow, s2);
-            const bool ok = r != ~0u;
-            cp_async16(&ws.b[s2][8 * (q ^ ((s2 >> 1) & 3))], gout + (size_t)(ok ? r : 0u) * kD + 8 * q,
-                       ok ? 16 : 0);
+          for (int h = 0; h < 2; ++h) {
+            const int es = __shfl_sync(0xffffffffu, ent, 16 * h + 8 * ((lane / 8) & 1) + lane % 8);
+            grows[h] = es >= 0 ? &sm.g[es][0] : sm.zero;
+            gswz[h] = es >= 0 ? (es >> 1) & 3 : 0;
           }
-          cp_async_commit();
           // W: zeroed, then this lane's sample's corners inside the sub-tile.
           uint4* a4 = reinterpret_cast<uint4*>(&ws.a[0][0][0][0]);
 #pragma unroll
@@ -421,9 +426,8 @@ __global__ void __launch_bounds__(kThreads, 2)
               if (in[k]) split_bf16(wk[k], plane[off[k]], plane[off[k] + 256]);
             }
           }
-          msda::cuda::cp_async_wait<0>();
           __syncwarp();
-          msda::cuda::wtg_round<bf16>(acc, ws.a, ws.b, lane);
+          msda::cuda::wtg_round_rows<bf16>(acc, ws.a, grows, gswz, lane);
           __syncwarp();  // W and G are rewritten by the next round
         }
         if (g > 1) {  // the sub-tile's warps' sums, added in warp order
@@ -676,6 +680,7 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref, long 
 }
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);  // a run killed by a timeout keeps its lines
   const std::string name = argc > 1 ? argv[1] : "ddetr_enc";
   const int target = argc > 2 ? std::atoi(argv[2]) : 768;
   bool crowd = false;

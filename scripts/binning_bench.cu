@@ -351,6 +351,7 @@ bool sorted_ok(const unsigned* dkeys, const unsigned* dids, long long items) {
 }
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IONBF, 0);  // a run killed by a timeout keeps its lines
   const std::string name = argc > 1 ? argv[1] : "ddetr_enc";
   bool encoder = true;
   const Problem pb = make_problem(name, encoder);

@@ -114,11 +114,16 @@ for stage in $STAGES; do
       nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/binning_bench scripts/binning_bench.cu \
         && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/binned \
              scripts/binned_backward.cu > "$OUT/binned_build.log" 2>&1 || { echo "BINNED BUILD FAILED"; status=1; }
-      for w in ${BINNING_WORKLOADS:-ddetr_enc rtdetr_dec}; do
-        /tmp/binning_bench $w >> "$OUT/binned.txt" 2>&1 || status=1
-      done
+      # Each run under a timeout: a hang costs a minute, not the call.
       IFS=';' read -ra runs <<< "${BINNED_ARGS:-ddetr_enc;ddetr_enc 512;ddetr_enc 1024;m2f_enc;bevformer_tsa;dino5_enc;ddetr_enc_crowd}"
-      for r in "${runs[@]}"; do /tmp/binned $r >> "$OUT/binned.txt" 2>&1 || status=1; done
+      for r in "${runs[@]}"; do
+        echo "--- binned $r" >> "$OUT/binned.txt"
+        timeout ${BINNED_TIMEOUT:-60} /tmp/binned $r >> "$OUT/binned.txt" 2>&1 || { echo "rc $?" >> "$OUT/binned.txt"; status=1; }
+      done
+      for w in ${BINNING_WORKLOADS-ddetr_enc rtdetr_dec}; do
+        echo "--- binning_bench $w" >> "$OUT/binned.txt"
+        timeout ${BINNED_TIMEOUT:-60} /tmp/binning_bench $w >> "$OUT/binned.txt" 2>&1 || { echo "rc $?" >> "$OUT/binned.txt"; status=1; }
+      done
       cat "$OUT/binned.txt" ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;

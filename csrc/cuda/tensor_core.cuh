@@ -82,14 +82,17 @@ __device__ __forceinline__ void split_bf16(float w, uint16_t& hi, uint16_t& lo) 
 
 // acc += W^T G over one 32-sample round of value_grad_tiles' layouts: W a
 // [k-step][hi, lo][pixel][sample] plane pair (16 pixels x 32 samples, a
-// pixel's 16 samples two 16-byte halves swapped on pixels 4-7 and 12-15), G
-// [sample][32 channels] with chunk q of sample s at chunk q ^ ((s >> 1) & 3)
-// (both conflict-free for ldmatrix); acc[c] the m16n8 tile of channels
-// 8 c .. 8 c + 7 (lane 4 g + t: pixels g and g + 8, channels 8 c + 2 t, + 1).
-// Every lane of the warp calls it, after W and G are written and visible.
+// pixel's 16 samples two 16-byte halves swapped on pixels 4-7 and 12-15);
+// G's rows (32 channels of 16 bits) wherever they lie in shared memory: for
+// k-step h this lane passes grow[h], the row of sample 16 h + 8 ((lane / 8)
+// & 1) + lane % 8, whose chunk q (channels 8 q .. 8 q + 7) sits at chunk
+// q ^ gswz[h] of it; acc[c] the m16n8 tile of channels 8 c .. 8 c + 7 (lane
+// 4 g + t: pixels g and g + 8, channels 8 c + 2 t, + 1). Every lane of the
+// warp calls it, after W and G are written and visible.
 template <typename T>
-__device__ __forceinline__ void wtg_round(float (&acc)[4][4], const uint16_t (&a)[2][2][16][16],
-                                          const uint16_t (&g)[32][32], int lane) {
+__device__ __forceinline__ void wtg_round_rows(float (&acc)[4][4], const uint16_t (&a)[2][2][16][16],
+                                               const uint16_t* const (&grow)[2], const int (&gswz)[2],
+                                               int lane) {
   const int mi = lane / 8, rr = lane % 8;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -97,11 +100,10 @@ __device__ __forceinline__ void wtg_round(float (&acc)[4][4], const uint16_t (&a
     const int pix = (mi & 1) * 8 + rr, acol = 8 * ((mi >> 1) ^ ((pix >> 2) & 1));
     ldmatrix_x4<false>(ahi, &a[h][0][pix][acol]);
     ldmatrix_x4<false>(alo, &a[h][1][pix][acol]);
-    const int s = 16 * h + (mi & 1) * 8 + rr;
 #pragma unroll
     for (int cpair = 0; cpair < 2; ++cpair) {
       const int q = 2 * cpair + (mi >> 1);
-      ldmatrix_x4<true>(b[cpair], &g[s][8 * (q ^ ((s >> 1) & 3))]);
+      ldmatrix_x4<true>(b[cpair], grow[h] + 8 * (q ^ gswz[h]));
     }
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
@@ -110,6 +112,17 @@ __device__ __forceinline__ void wtg_round(float (&acc)[4][4], const uint16_t (&a
       mma_16816<T>(acc[c], alo, b0, b1);
     }
   }
+}
+
+// The same with G a [sample][32 channels] array, chunk q of sample s at
+// chunk q ^ ((s >> 1) & 3) (conflict-free for ldmatrix).
+template <typename T>
+__device__ __forceinline__ void wtg_round(float (&acc)[4][4], const uint16_t (&a)[2][2][16][16],
+                                          const uint16_t (&g)[32][32], int lane) {
+  const int s0 = 8 * ((lane / 8) & 1) + lane % 8, s1 = s0 + 16;
+  const uint16_t* const rows[2] = {&g[s0][0], &g[s1][0]};
+  const int swz[2] = {(s0 >> 1) & 3, (s1 >> 1) & 3};
+  wtg_round_rows<T>(acc, a, rows, swz, lane);
 }
 
 }  // namespace msda::cuda
