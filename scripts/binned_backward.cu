@@ -486,6 +486,157 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
+// ---- the warp mode: a warp a 4 x 4-cell bin ------------------------------------
+// Bins of 4 x 4 cells on every level (15 key bits on ddetr_enc: two onesweep
+// passes instead of the library's three), the sort's order within a bin by
+// sample id. A warp owns a bin: 32 of its samples a round, each resolved once
+// (location and weight gathered by id, as the library's pack does), and
+// acc += W^T G over the bin's 5 x 5-pixel window (25 pixels in two m16
+// tiles, wtg_round's layouts, pixel p at tile p / 16, row p % 16). Interior
+// pixels written once in bf16, ring pixels to the ring scratch for
+// merge_kernel. The dots (grad_loc, grad_attn) are not formed here: the
+// library's dots kernel forms them before the sort and would write these
+// keys instead of its cell keys. Bins are taken smallest level first (the
+// most samples a bin) so that the long ones start early.
+constexpr int kWinPix = 25;
+
+struct __align__(16) WarpTileSmem {
+  uint16_t a[2][2][2][16][16];  // [m-tile][k-step][hi, lo][pixel][sample]
+  uint16_t b[2][32][32];        // G of two rounds: chunk q of sample s at chunk q ^ ((s >> 1) & 3)
+};
+
+// A round's raw inputs as its lane loads them: sample id (none: ~0), location
+// and attention weight.
+struct RawEntry {
+  unsigned id = ~0u;
+  float x = 0.f, y = 0.f, a = 0.f;
+};
+
+__global__ void __launch_bounds__(kThreads, 3)
+    warp_tiles_kernel(const Prob pb, const float* __restrict__ loc, const float* __restrict__ attn,
+                      const bf16* __restrict__ gout, const unsigned* __restrict__ sorted_ids,
+                      const unsigned* __restrict__ start, const FastDiv by_lp, bf16* __restrict__ grad_value,
+                      float* __restrict__ ring) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  WarpTileSmem& ws = reinterpret_cast<WarpTileSmem*>(smem_raw)[warp];
+  const unsigned warps = gridDim.x * kWarps;
+  const unsigned NM = unsigned(pb.N * pb.M);
+  for (unsigned item = blockIdx.x * kWarps + warp; item < pb.bins; item += warps) {
+    // item -> bin, levels from the last (smallest) to the first.
+    unsigned rest = item;
+    int l = pb.L - 1;
+    while (true) {
+      const unsigned level_bins = NM * unsigned(pb.bin_base[l + 1] - pb.bin_base[l]);
+      if (rest < level_bins || l == 0) break;
+      rest -= level_bins;
+      --l;
+    }
+    const unsigned per_nm = unsigned(pb.bin_base[l + 1] - pb.bin_base[l]);
+    const unsigned nm = rest / per_nm, tile = rest - nm * per_nm;
+    const unsigned b = nm * unsigned(pb.bins_nm) + unsigned(pb.bin_base[l]) + tile;
+    const Bin bn = decode_bin(pb, b);
+    const int H = pb.H[l], W = pb.W[l], T = bn.T;
+    const unsigned first = start[b], count = start[b + 1] - first;
+    float acc[2][4][4] = {};
+    // Software pipeline: ids two rounds ahead, locations and weights and G
+    // (cp.async into the other buffer) one round ahead.
+    auto load_id = [&](unsigned v) { return v < count ? sorted_ids[first + v] : ~0u; };
+    auto load_raw = [&](unsigned id) {
+      RawEntry e;
+      e.id = id;
+      if (id != ~0u) {
+        e.x = loc[2ull * id];
+        e.y = loc[2ull * id + 1];
+        e.a = attn[id];
+      }
+      return e;
+    };
+    auto stage_g = [&](unsigned id, int buf) {
+      const unsigned grow = id != ~0u ? by_lp(id) : ~0u;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int s2 = lane / 4 + 8 * i, q = lane % 4;
+        const unsigned r = __shfl_sync(0xffffffffu, grow, s2);
+        const bool ok = r != ~0u;
+        cp_async16(&ws.b[buf][s2][8 * (q ^ ((s2 >> 1) & 3))], gout + (size_t)(ok ? r : 0u) * kD + 8 * q,
+                   ok ? 16 : 0);
+      }
+      cp_async_commit();
+    };
+    RawEntry cur = load_raw(load_id(lane));
+    unsigned id_next = load_id(32 + lane);
+    stage_g(cur.id, 0);
+    int buf = 0;
+    for (unsigned v0 = 0; v0 < count; v0 += 32, buf ^= 1) {
+      const unsigned id_after = load_id(v0 + 64 + lane);
+      const RawEntry nxt = load_raw(id_next);
+      stage_g(id_next, buf ^ 1);
+      int lcy = -8, lcx = -8;
+      float wk[4] = {0.f, 0.f, 0.f, 0.f};
+      if (cur.id != ~0u) {
+        const float h = __fmaf_rn(cur.y, float(H), -0.5f), w = __fmaf_rn(cur.x, float(W), -0.5f);
+        const float hf = floorf(h), wf = floorf(w), lh = h - hf, lw = w - wf;
+        lcy = int(hf) + 1 - bn.ty * T;
+        lcx = int(wf) + 1 - bn.tx * T;
+        wk[0] = cur.a * (1.f - lh) * (1.f - lw);
+        wk[1] = cur.a * (1.f - lh) * lw;
+        wk[2] = cur.a * lh * (1.f - lw);
+        wk[3] = cur.a * lh * lw;
+      }
+      uint4* a4 = reinterpret_cast<uint4*>(&ws.a[0][0][0][0][0]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a4[lane + 32 * i] = make_uint4(0, 0, 0, 0);
+      __syncwarp();
+      if (lcy >= 0) {
+        const int sl = lane % 16, h = lane / 16;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const int p = (lcy + (k >> 1)) * 5 + lcx + (k & 1);  // < 25: cells of the bin only
+          const int mt = p >> 4, pix = p & 15;
+          uint16_t* e = &ws.a[mt][h][0][pix][sl ^ (((pix >> 2) & 1) << 3)];
+          split_bf16(wk[k], e[0], e[256]);
+        }
+      }
+      msda::cuda::cp_async_wait<1>();  // this round's G; the next round's stays in flight
+      __syncwarp();
+      msda::cuda::wtg_round<bf16>(acc[0], ws.a[0], ws.b[buf], lane);
+      msda::cuda::wtg_round<bf16>(acc[1], ws.a[1], ws.b[buf], lane);
+      __syncwarp();  // W and this G buffer are rewritten by the next rounds
+      cur = nxt;
+      id_next = id_after;
+    }
+    msda::cuda::cp_async_wait<0>();  // the last, empty, round's copies
+    // acc[mt][c] = (pixel 16 mt + lane / 4, channels 8 c + 2 t, + 1) and the
+    // same of pixel 16 mt + lane / 4 + 8, t = lane % 4.
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int p = 16 * mt + lane / 4 + 8 * half;
+        if (p >= kWinPix) continue;
+        const int r = p / 5, c = p - 5 * (p / 5);
+        const int py = bn.wy0 + r, px = bn.wx0 + c;
+        if (py < 0 || py >= H || px < 0 || px >= W) continue;
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+          const float v0 = acc[mt][cc][2 * half], v1 = acc[mt][cc][2 * half + 1];
+          const int ch0 = 8 * cc + 2 * (lane % 4);
+          if (ring_pixel(pb, bn, r, c)) {
+            const long long ring_off = ((long long)bn.nm * pb.ring_nm + pb.ring_base[l] +
+                                        (long long)(bn.ty * pb.tx_n[l] + bn.tx) * 4 * T) * kD;
+            *reinterpret_cast<float2*>(ring + ring_off + (long long)ring_pos(r, c, T) * kD + ch0) =
+                make_float2(v0, v1);
+          } else {
+            const long long vr = ((long long)bn.n * pb.S + pb.start[l] + py * W + px) * pb.M + bn.m;
+            *reinterpret_cast<__nv_bfloat162*>(grad_value + vr * kD + ch0) = __floats2bfloat162_rn(v0, v1);
+          }
+        }
+      }
+    }
+  }
+}
+
 // Ring pixels: the bins whose windows hold pixel (py, px) are the tiles
 // (py + 1) / T and, when (py + 1) is a multiple of T, the one before it (its
 // last window row); likewise for columns. Thread per (n, m, pixel).
@@ -575,7 +726,7 @@ int bits_for(long long x) {
   return b;
 }
 
-Prob make_problem(const std::string& name, int target, bool& crowd) {
+Prob make_problem(const std::string& name, int target, int fixed_T, bool& crowd) {
   Prob pb{};
   std::vector<std::pair<int, int>> lv;
   const std::vector<std::pair<int, int>> ddetr = {{100, 167}, {50, 84}, {25, 42}, {13, 21}};
@@ -604,7 +755,7 @@ Prob make_problem(const std::string& name, int target, bool& crowd) {
   for (int l = 0; l < pb.L; ++l) {
     const int H = pb.H[l], W = pb.W[l];
     const double density = double(pb.Lq) * pb.P / (double(H + 1) * (W + 1));
-    const int T = std::max(2, std::min(kMaxT, int(std::lround(std::sqrt(target / density)))));
+    const int T = fixed_T > 0 ? fixed_T : std::max(2, std::min(kMaxT, int(std::lround(std::sqrt(target / density)))));
     pb.T[l] = T;
     pb.ty_n[l] = (H + 1 + T - 1) / T;
     pb.tx_n[l] = (W + 1 + T - 1) / T;
@@ -682,9 +833,12 @@ double rel_err(const std::vector<float>& a, const std::vector<float>& ref, long 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IONBF, 0);  // a run killed by a timeout keeps its lines
   const std::string name = argc > 1 ? argv[1] : "ddetr_enc";
-  const int target = argc > 2 ? std::atoi(argv[2]) : 768;
+  // Second argument: samples a bin (the block mode), or "warp" (4 x 4-cell
+  // bins, a warp each: warp_tiles_kernel; grad_value only).
+  const bool warp_mode = argc > 2 && std::string(argv[2]) == "warp";
+  const int target = argc > 2 && !warp_mode ? std::atoi(argv[2]) : 768;
   bool crowd = false;
-  const Prob pb = make_problem(name, target, crowd);
+  const Prob pb = make_problem(name, target, warp_mode ? 4 : 0, crowd);
   const long long items = (long long)pb.N * pb.Lq * pb.M * pb.L * pb.P;
   std::printf("%s: %lld samples, %u bins (%d key bits), tile side by level:", name.c_str(), items, pb.bins,
               bits_for(pb.bins));
@@ -729,11 +883,13 @@ int main(int argc, char** argv) {
   }
   void* temp;
   CHECK(cudaMalloc(&temp, temp_bytes));
-  const size_t smem = sizeof(BinSmem);
-  CHECK(cudaFuncSetAttribute(tiles_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const size_t smem = warp_mode ? sizeof(WarpTileSmem) * kWarps : sizeof(BinSmem);
+  const void* tile_fn = warp_mode ? reinterpret_cast<const void*>(warp_tiles_kernel)
+                                  : reinterpret_cast<const void*>(tiles_kernel);
+  CHECK(cudaFuncSetAttribute(tile_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int sms = 0, per_sm = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tiles_kernel, kThreads, smem));
+  CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, tile_fn, kThreads, smem));
   std::printf("tiles kernel: %zu bytes of shared memory a block, %d blocks an SM\n", smem, per_sm);
   const FastDiv by_lp(unsigned(pb.L * pb.P));
   const unsigned grid = unsigned((items + 255) / 256);
@@ -750,8 +906,13 @@ int main(int argc, char** argv) {
     CHECK(cudaEventRecord(ev[2]));
     starts_kernel<<<unsigned((items + 256) / 256), 256>>>(k.Current(), items, pb.bins, start);
     CHECK(cudaEventRecord(ev[3]));
-    tiles_kernel<<<unsigned(sms * std::max(per_sm, 1)), kThreads, smem>>>(
-        pb, value, loc, attn, gout, v.Current(), start, by_lp, gv, ring, win, gl, ga);
+    if (warp_mode) {
+      warp_tiles_kernel<<<unsigned(sms * std::max(per_sm, 1)), kThreads, smem>>>(
+          pb, loc, attn, gout, v.Current(), start, by_lp, gv, ring);
+    } else {
+      tiles_kernel<<<unsigned(sms * std::max(per_sm, 1)), kThreads, smem>>>(
+          pb, value, loc, attn, gout, v.Current(), start, by_lp, gv, ring, win, gl, ga);
+    }
     CHECK(cudaEventRecord(ev[4]));
     merge_kernel<<<unsigned(((long long)pb.N * pb.M * pb.S + 255) / 256), 256>>>(pb, ring, gv);
     CHECK(cudaEventRecord(ev[5]));
@@ -808,7 +969,9 @@ int main(int argc, char** argv) {
     std::printf("  %-7s %8.1f us\n", names[s], t[s][10]);
   }
   std::printf("  total   %8.1f us\n", total);
-  const bool ok = e1 < 1e-2 && e2 < 1e-4 && e3 < 1e-4 && n1 + n2 + n3 == 0 && same;
+  // The warp mode forms grad_value only (the dots are the library's kernel's).
+  const bool ok = e1 < 1e-2 && n1 == 0 && (warp_mode || (e2 < 1e-4 && e3 < 1e-4 && n2 + n3 == 0)) && same;
+  if (warp_mode) std::printf("(warp mode: grad_loc and grad_attn not formed, their errors not checked)\n");
   std::printf("%s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;
 }
