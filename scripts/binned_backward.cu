@@ -512,6 +512,42 @@ struct RawEntry {
   float x = 0.f, y = 0.f, a = 0.f;
 };
 
+// A 4 x 4-cell bin's window sums (acc[mt][c]: pixel 16 mt + lane / 4,
+// channels 8 c + 2 t, + 1, and the same of pixel 16 mt + lane / 4 + 8, t =
+// lane % 4) to the output: interior pixels once in bf16, ring pixels (shared
+// with a neighbouring bin) to the ring scratch, pixels off the map nowhere.
+__device__ __forceinline__ void flush_window(const Prob& pb, const Bin& bn, const float (&acc)[2][4][4], int lane,
+                                             bf16* __restrict__ grad_value, float* __restrict__ ring) {
+  const int l = bn.l, H = pb.H[l], W = pb.W[l], T = bn.T;
+  const long long ring_off =
+      ((long long)bn.nm * pb.ring_nm + pb.ring_base[l] + (long long)(bn.ty * pb.tx_n[l] + bn.tx) * 4 * T) * kD;
+  const long long vbase = (long long)bn.n * pb.S + pb.start[l];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int p = 16 * mt + lane / 4 + 8 * half;
+      if (p >= kWinPix) continue;
+      const int r = p / 5, c = p - 5 * (p / 5);
+      const int py = bn.wy0 + r, px = bn.wx0 + c;
+      if (py < 0 || py >= H || px < 0 || px >= W) continue;
+      const bool on_ring = ring_pixel(pb, bn, r, c);
+      float* rp = ring + ring_off + (long long)ring_pos(r, c, T) * kD;
+      bf16* vp = grad_value + ((vbase + py * W + px) * pb.M + bn.m) * kD;
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) {
+        const float v0 = acc[mt][cc][2 * half], v1 = acc[mt][cc][2 * half + 1];
+        const int ch0 = 8 * cc + 2 * (lane % 4);
+        if (on_ring) {
+          *reinterpret_cast<float2*>(rp + ch0) = make_float2(v0, v1);
+        } else {
+          *reinterpret_cast<__nv_bfloat162*>(vp + ch0) = __floats2bfloat162_rn(v0, v1);
+        }
+      }
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 3)
     warp_tiles_kernel(const Prob pb, const float* __restrict__ loc, const float* __restrict__ attn,
                       const bf16* __restrict__ gout, const unsigned* __restrict__ sorted_ids,
@@ -607,34 +643,198 @@ __global__ void __launch_bounds__(kThreads, 3)
       id_next = id_after;
     }
     msda::cuda::cp_async_wait<0>();  // the last, empty, round's copies
-    // acc[mt][c] = (pixel 16 mt + lane / 4, channels 8 c + 2 t, + 1) and the
-    // same of pixel 16 mt + lane / 4 + 8, t = lane % 4.
+    flush_window(pb, bn, acc, lane, grad_value, ring);
+  }
+}
+
+// ---- the stream mode: equal ranges of the sorted order -------------------------
+// The same bins and window products as the warp mode, but a warp takes a
+// unit: whole consecutive bins of at most kUnit samples together, or one
+// kUnit-sample chunk of a bin that holds more. Its rounds are 32 consecutive
+// sorted positions whatever bins they fall in (ids, locations, weights and G
+// fetched ahead as in the warp mode); a round's samples of one bin are a
+// segment, multiplied with the other lanes' weights zeroed, and a bin's sums
+// are flushed when its last sample is done. A chunk's sums go to its slot of
+// the chunk scratch, which big_merge_kernel adds in chunk order. Units are
+// built on the host from the bin starts here (a prototype; on the device
+// they are a scan over the bins).
+constexpr int kUnit = 512;
+
+struct Unit {
+  unsigned p0, p1;  // sorted positions
+  unsigned b0, b1;  // bins
+  int slot;         // chunk slot, or -1: whole bins
+  int pad[3];
+};
+
+struct BigBin {
+  unsigned bin;
+  int slot0, chunks;
+};
+
+__global__ void __launch_bounds__(kThreads, 3)
+    stream_tiles_kernel(const Prob pb, const float* __restrict__ loc, const float* __restrict__ attn,
+                        const bf16* __restrict__ gout, const unsigned* __restrict__ sorted_ids,
+                        const unsigned* __restrict__ start, const Unit* __restrict__ units, unsigned n_units,
+                        const FastDiv by_lp, bf16* __restrict__ grad_value, float* __restrict__ ring,
+                        float* __restrict__ chunks) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  WarpTileSmem& ws = reinterpret_cast<WarpTileSmem*>(smem_raw)[warp];
+  const unsigned warps = gridDim.x * kWarps;
+  for (unsigned u = blockIdx.x * kWarps + warp; u < n_units; u += warps) {
+    const Unit un = units[u];
+    const unsigned p1 = un.p1;
+    // Ends of the bins from wbase, a lane each (a chunk's: its own end).
+    unsigned wbase = un.b0;
+    auto load_ends = [&](unsigned base) {
+      return base + lane < un.b1 ? (un.slot >= 0 ? p1 : start[base + lane + 1]) : p1;
+    };
+    unsigned wend = load_ends(wbase);
+    unsigned cur_bin = un.b0;
+    Bin bn = decode_bin(pb, cur_bin);
+    float acc[2][4][4] = {};
+    auto flush = [&]() {
+      if (un.slot >= 0) {
+        float4* cp = reinterpret_cast<float4*>(chunks + ((size_t)un.slot * 32 + lane) * 32);
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int p = 16 * mt + lane / 4 + 8 * half;
-        if (p >= kWinPix) continue;
-        const int r = p / 5, c = p - 5 * (p / 5);
-        const int py = bn.wy0 + r, px = bn.wx0 + c;
-        if (py < 0 || py >= H || px < 0 || px >= W) continue;
-#pragma unroll
-        for (int cc = 0; cc < 4; ++cc) {
-          const float v0 = acc[mt][cc][2 * half], v1 = acc[mt][cc][2 * half + 1];
-          const int ch0 = 8 * cc + 2 * (lane % 4);
-          if (ring_pixel(pb, bn, r, c)) {
-            const long long ring_off = ((long long)bn.nm * pb.ring_nm + pb.ring_base[l] +
-                                        (long long)(bn.ty * pb.tx_n[l] + bn.tx) * 4 * T) * kD;
-            *reinterpret_cast<float2*>(ring + ring_off + (long long)ring_pos(r, c, T) * kD + ch0) =
-                make_float2(v0, v1);
-          } else {
-            const long long vr = ((long long)bn.n * pb.S + pb.start[l] + py * W + px) * pb.M + bn.m;
-            *reinterpret_cast<__nv_bfloat162*>(grad_value + vr * kD + ch0) = __floats2bfloat162_rn(v0, v1);
-          }
-        }
+          for (int cc = 0; cc < 4; ++cc)
+            cp[4 * mt + cc] = make_float4(acc[mt][cc][0], acc[mt][cc][1], acc[mt][cc][2], acc[mt][cc][3]);
+      } else {
+        flush_window(pb, bn, acc, lane, grad_value, ring);
       }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][cc][e] = 0.f;
+    };
+    auto next_bin = [&]() {
+      ++cur_bin;
+      if (cur_bin - wbase == 32) {
+        wbase = cur_bin;
+        wend = load_ends(wbase);
+      }
+      if (cur_bin < un.b1) bn = decode_bin(pb, cur_bin);
+    };
+    auto bin_end = [&]() { return __shfl_sync(0xffffffffu, wend, int(cur_bin - wbase)); };
+
+    auto load_id = [&](unsigned v) { return v < p1 ? sorted_ids[v] : ~0u; };
+    auto load_raw = [&](unsigned id) {
+      RawEntry e;
+      e.id = id;
+      if (id != ~0u) {
+        e.x = loc[2ull * id];
+        e.y = loc[2ull * id + 1];
+        e.a = attn[id];
+      }
+      return e;
+    };
+    auto stage_g = [&](unsigned id, int buf) {
+      const unsigned grow = id != ~0u ? by_lp(id) : ~0u;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int s2 = lane / 4 + 8 * i, q = lane % 4;
+        const unsigned r = __shfl_sync(0xffffffffu, grow, s2);
+        const bool ok = r != ~0u;
+        cp_async16(&ws.b[buf][s2][8 * (q ^ ((s2 >> 1) & 3))], gout + (size_t)(ok ? r : 0u) * kD + 8 * q,
+                   ok ? 16 : 0);
+      }
+      cp_async_commit();
+    };
+    RawEntry cur = load_raw(load_id(un.p0 + lane));
+    unsigned id_next = load_id(un.p0 + 32 + lane);
+    stage_g(cur.id, 0);
+    int buf = 0;
+    for (unsigned r0 = un.p0; r0 < p1; r0 += 32, buf ^= 1) {
+      const unsigned id_after = load_id(r0 + 64 + lane);
+      const RawEntry nxt = load_raw(id_next);
+      stage_g(id_next, buf ^ 1);
+      // A unit may span levels: a sample is resolved in its segment, against
+      // its bin's level.
+      const unsigned pos = r0 + lane;
+      msda::cuda::cp_async_wait<1>();  // this round's G; the next round's stays in flight
+      __syncwarp();
+      const unsigned round_end = min(r0 + 32, p1);
+      unsigned seg = r0;
+      while (seg < round_end) {
+        const unsigned be = bin_end();
+        const unsigned seg_end = min(round_end, be);
+        if (seg_end > seg) {
+          const int H = pb.H[bn.l], W = pb.W[bn.l];
+          const bool mine = pos >= seg && pos < seg_end;
+          uint4* a4 = reinterpret_cast<uint4*>(&ws.a[0][0][0][0][0]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a4[lane + 32 * i] = make_uint4(0, 0, 0, 0);
+          __syncwarp();
+          if (mine) {
+            const float h = __fmaf_rn(cur.y, float(H), -0.5f), w = __fmaf_rn(cur.x, float(W), -0.5f);
+            const float hf = floorf(h), wf = floorf(w), lh = h - hf, lw = w - wf;
+            const int cy = int(hf) + 1 - bn.ty * bn.T, cx = int(wf) + 1 - bn.tx * bn.T;
+            float wk[4];
+            wk[0] = cur.a * (1.f - lh) * (1.f - lw);
+            wk[1] = cur.a * (1.f - lh) * lw;
+            wk[2] = cur.a * lh * (1.f - lw);
+            wk[3] = cur.a * lh * lw;
+            const int sl = lane % 16, hh = lane / 16;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              const int p = (cy + (k >> 1)) * 5 + cx + (k & 1);  // < 25: cells of the bin only
+              const int mt = p >> 4, pix = p & 15;
+              uint16_t* e = &ws.a[mt][hh][0][pix][sl ^ (((pix >> 2) & 1) << 3)];
+              split_bf16(wk[k], e[0], e[256]);
+            }
+          }
+          __syncwarp();
+          msda::cuda::wtg_round<bf16>(acc[0], ws.a[0], ws.b[buf], lane);
+          msda::cuda::wtg_round<bf16>(acc[1], ws.a[1], ws.b[buf], lane);
+          __syncwarp();  // W is rewritten by the next segment
+        }
+        if (seg_end == be) {  // the bin (or chunk) is done
+          flush();
+          next_bin();
+        }
+        seg = seg_end;
+      }
+      cur = nxt;
+      id_next = id_after;
+    }
+    msda::cuda::cp_async_wait<0>();  // the last, empty, round's copies
+    // Bins after the unit's last sample (empty ones): zeros.
+    while (cur_bin < un.b1) {
+      flush();
+      next_bin();
     }
   }
+}
+
+// A bin split into chunks: their sums added in chunk order, then flushed as
+// a whole bin's. A warp a big bin.
+__global__ void big_merge_kernel(const Prob pb, const BigBin* __restrict__ big, unsigned n_big,
+                                 const float* __restrict__ chunks, bf16* __restrict__ grad_value,
+                                 float* __restrict__ ring) {
+  const int lane = threadIdx.x & 31;
+  const unsigned w = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  if (w >= n_big) return;
+  const BigBin bb = big[w];
+  float acc[2][4][4] = {};
+  for (int c = 0; c < bb.chunks; ++c) {
+    const float4* cp = reinterpret_cast<const float4*>(chunks + ((size_t)(bb.slot0 + c) * 32 + lane) * 32);
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int cc = 0; cc < 4; ++cc) {
+        const float4 v = cp[4 * mt + cc];
+        acc[mt][cc][0] += v.x;
+        acc[mt][cc][1] += v.y;
+        acc[mt][cc][2] += v.z;
+        acc[mt][cc][3] += v.w;
+      }
+  }
+  flush_window(pb, decode_bin(pb, bb.bin), acc, lane, grad_value, ring);
 }
 
 // Ring pixels: the bins whose windows hold pixel (py, px) are the tiles
@@ -835,7 +1035,8 @@ int main(int argc, char** argv) {
   const std::string name = argc > 1 ? argv[1] : "ddetr_enc";
   // Second argument: samples a bin (the block mode), or "warp" (4 x 4-cell
   // bins, a warp each: warp_tiles_kernel; grad_value only).
-  const bool warp_mode = argc > 2 && std::string(argv[2]) == "warp";
+  const bool stream_mode = argc > 2 && std::string(argv[2]) == "stream";
+  const bool warp_mode = argc > 2 && (std::string(argv[2]) == "warp" || stream_mode);
   const int target = argc > 2 && !warp_mode ? std::atoi(argv[2]) : 768;
   bool crowd = false;
   const Prob pb = make_problem(name, target, warp_mode ? 4 : 0, crowd);
@@ -884,8 +1085,9 @@ int main(int argc, char** argv) {
   void* temp;
   CHECK(cudaMalloc(&temp, temp_bytes));
   const size_t smem = warp_mode ? sizeof(WarpTileSmem) * kWarps : sizeof(BinSmem);
-  const void* tile_fn = warp_mode ? reinterpret_cast<const void*>(warp_tiles_kernel)
-                                  : reinterpret_cast<const void*>(tiles_kernel);
+  const void* tile_fn = stream_mode ? reinterpret_cast<const void*>(stream_tiles_kernel)
+                        : warp_mode ? reinterpret_cast<const void*>(warp_tiles_kernel)
+                                    : reinterpret_cast<const void*>(tiles_kernel);
   CHECK(cudaFuncSetAttribute(tile_fn, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int sms = 0, per_sm = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -893,6 +1095,56 @@ int main(int argc, char** argv) {
   std::printf("tiles kernel: %zu bytes of shared memory a block, %d blocks an SM\n", smem, per_sm);
   const FastDiv by_lp(unsigned(pb.L * pb.P));
   const unsigned grid = unsigned((items + 255) / 256);
+
+  // Stream mode: the units, from the bin starts of a first keys + sort +
+  // starts pass (the same every run: the inputs do not change).
+  Unit* d_units = nullptr;
+  BigBin* d_big = nullptr;
+  float* d_chunks = nullptr;
+  unsigned n_units = 0, n_big = 0;
+  if (stream_mode) {
+    keys_kernel<<<grid, 256>>>(pb, loc, attn, keys, ids, gl, ga, items);
+    cub::DoubleBuffer<unsigned> k(keys, keys2), v(ids, ids2);
+    size_t b = temp_bytes;
+    CHECK(cub::DeviceRadixSort::SortPairs(temp, b, k, v, (uint32_t)items, 0, end_bit));
+    starts_kernel<<<unsigned((items + 256) / 256), 256>>>(k.Current(), items, pb.bins, start);
+    std::vector<unsigned> hs(pb.bins + 1);
+    CHECK(cudaMemcpy(hs.data(), start, (pb.bins + 1) * 4, cudaMemcpyDeviceToHost));
+    std::vector<Unit> units;
+    std::vector<BigBin> big;
+    int slots = 0;
+    Unit cur{};
+    bool open = false;
+    for (unsigned bi = 0; bi < pb.bins; ++bi) {
+      const unsigned c = hs[bi + 1] - hs[bi];
+      if (c > unsigned(kUnit)) {
+        if (open) { units.push_back(cur); open = false; }
+        BigBin bb{bi, slots, int((c + kUnit - 1) / kUnit)};
+        for (int j = 0; j < bb.chunks; ++j) {
+          const unsigned p0 = hs[bi] + unsigned(j) * kUnit;
+          units.push_back(Unit{p0, std::min(p0 + unsigned(kUnit), hs[bi + 1]), bi, bi + 1, slots + j, {}});
+        }
+        slots += bb.chunks;
+        big.push_back(bb);
+        continue;
+      }
+      if (open && hs[bi + 1] - cur.p0 > unsigned(kUnit)) { units.push_back(cur); open = false; }
+      if (!open) { cur = Unit{hs[bi], hs[bi], bi, bi, -1, {}}; open = true; }
+      cur.p1 = hs[bi + 1];
+      cur.b1 = bi + 1;
+    }
+    if (open) units.push_back(cur);
+    // Chunk units first (the longest), then the rest in order.
+    std::stable_partition(units.begin(), units.end(), [](const Unit& x) { return x.slot >= 0; });
+    n_units = unsigned(units.size());
+    n_big = unsigned(big.size());
+    CHECK(cudaMalloc(&d_units, std::max<size_t>(1, units.size()) * sizeof(Unit)));
+    CHECK(cudaMemcpy(d_units, units.data(), units.size() * sizeof(Unit), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&d_big, std::max<size_t>(1, big.size()) * sizeof(BigBin)));
+    if (n_big) CHECK(cudaMemcpy(d_big, big.data(), big.size() * sizeof(BigBin), cudaMemcpyHostToDevice));
+    CHECK(cudaMalloc(&d_chunks, std::max<size_t>(1, size_t(slots)) * 32 * 32 * 4));
+    std::printf("stream: %u units of <= %d samples, %u bins split into %d chunks\n", n_units, kUnit, n_big, slots);
+  }
 
   cudaEvent_t ev[6];
   for (auto& e : ev) CHECK(cudaEventCreate(&e));
@@ -906,7 +1158,11 @@ int main(int argc, char** argv) {
     CHECK(cudaEventRecord(ev[2]));
     starts_kernel<<<unsigned((items + 256) / 256), 256>>>(k.Current(), items, pb.bins, start);
     CHECK(cudaEventRecord(ev[3]));
-    if (warp_mode) {
+    if (stream_mode) {
+      stream_tiles_kernel<<<unsigned(sms * std::max(per_sm, 1)), kThreads, smem>>>(
+          pb, loc, attn, gout, v.Current(), start, d_units, n_units, by_lp, gv, ring, d_chunks);
+      if (n_big > 0) big_merge_kernel<<<(n_big + 7) / 8, 256>>>(pb, d_big, n_big, d_chunks, gv, ring);
+    } else if (warp_mode) {
       warp_tiles_kernel<<<unsigned(sms * std::max(per_sm, 1)), kThreads, smem>>>(
           pb, loc, attn, gout, v.Current(), start, by_lp, gv, ring);
     } else {
