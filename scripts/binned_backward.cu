@@ -25,11 +25,17 @@
 //            window's sums in a scratch window between chunks;
 //   merge    ring pixels: the partials of the 2 or 4 bins that hold them,
 //            added in bin order.
+// Two more modes (second argument) on 4 x 4-cell bins, grad_value only:
+//   warp     a warp a bin (warp_tiles_kernel);
+//   stream   warps on units of at most 512 consecutive sorted samples
+//            (stream_tiles_kernel, big bins in chunks: big_merge_kernel).
 // Checked against a naive kernel (fp32, grad_value by atomics), and run
 // twice for bitwise equality. Prints each stage's median time (CUDA events).
+// Every mode measured slower than the library's sorted path
+// (benchmarks/NOTES.md, tenth session).
 //
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/binned scripts/binned_backward.cu
-//   /tmp/binned [ddetr_enc|ddetr_enc_crowd|dino5_enc|m2f_enc|bevformer_tsa] [target, default 768]
+//   /tmp/binned [ddetr_enc|ddetr_enc_crowd|dino5_enc|m2f_enc|bevformer_tsa] [target (default 768)|warp|stream]
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_bf16.h>
