@@ -518,6 +518,34 @@ struct RawEntry {
   float x = 0.f, y = 0.f, a = 0.f;
 };
 
+__device__ __forceinline__ RawEntry load_raw_entry(const float* __restrict__ loc, const float* __restrict__ attn,
+                                                   unsigned id) {
+  RawEntry e;
+  e.id = id;
+  if (id != ~0u) {
+    e.x = loc[2ull * id];
+    e.y = loc[2ull * id + 1];
+    e.a = attn[id];
+  }
+  return e;
+}
+
+// G of a round: the grad_output rows of the lanes' samples (id ~0: zeros),
+// copied by cp.async (one commit group), lane copying chunk lane % 4 of
+// samples lane / 4 + 8 i; chunk q of sample s at chunk q ^ ((s >> 1) & 3).
+__device__ __forceinline__ void stage_g_rows(uint16_t (&b)[32][32], const bf16* __restrict__ gout, unsigned id,
+                                             const FastDiv& by_lp, int lane) {
+  const unsigned grow = id != ~0u ? by_lp(id) : ~0u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int s2 = lane / 4 + 8 * i, q = lane % 4;
+    const unsigned r = __shfl_sync(0xffffffffu, grow, s2);
+    const bool ok = r != ~0u;
+    cp_async16(&b[s2][8 * (q ^ ((s2 >> 1) & 3))], gout + (size_t)(ok ? r : 0u) * kD + 8 * q, ok ? 16 : 0);
+  }
+  cp_async_commit();
+}
+
 // A 4 x 4-cell bin's window sums (acc[mt][c]: pixel 16 mt + lane / 4,
 // channels 8 c + 2 t, + 1, and the same of pixel 16 mt + lane / 4 + 8, t =
 // lane % 4) to the output: interior pixels once in bf16, ring pixels (shared
@@ -584,28 +612,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     // Software pipeline: ids two rounds ahead, locations and weights and G
     // (cp.async into the other buffer) one round ahead.
     auto load_id = [&](unsigned v) { return v < count ? sorted_ids[first + v] : ~0u; };
-    auto load_raw = [&](unsigned id) {
-      RawEntry e;
-      e.id = id;
-      if (id != ~0u) {
-        e.x = loc[2ull * id];
-        e.y = loc[2ull * id + 1];
-        e.a = attn[id];
-      }
-      return e;
-    };
-    auto stage_g = [&](unsigned id, int buf) {
-      const unsigned grow = id != ~0u ? by_lp(id) : ~0u;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int s2 = lane / 4 + 8 * i, q = lane % 4;
-        const unsigned r = __shfl_sync(0xffffffffu, grow, s2);
-        const bool ok = r != ~0u;
-        cp_async16(&ws.b[buf][s2][8 * (q ^ ((s2 >> 1) & 3))], gout + (size_t)(ok ? r : 0u) * kD + 8 * q,
-                   ok ? 16 : 0);
-      }
-      cp_async_commit();
-    };
+    auto load_raw = [&](unsigned id) { return load_raw_entry(loc, attn, id); };
+    auto stage_g = [&](unsigned id, int buf) { stage_g_rows(ws.b[buf], gout, id, by_lp, lane); };
     RawEntry cur = load_raw(load_id(lane));
     unsigned id_next = load_id(32 + lane);
     stage_g(cur.id, 0);
@@ -729,28 +737,8 @@ __global__ void __launch_bounds__(kThreads, 3)
     auto bin_end = [&]() { return __shfl_sync(0xffffffffu, wend, int(cur_bin - wbase)); };
 
     auto load_id = [&](unsigned v) { return v < p1 ? sorted_ids[v] : ~0u; };
-    auto load_raw = [&](unsigned id) {
-      RawEntry e;
-      e.id = id;
-      if (id != ~0u) {
-        e.x = loc[2ull * id];
-        e.y = loc[2ull * id + 1];
-        e.a = attn[id];
-      }
-      return e;
-    };
-    auto stage_g = [&](unsigned id, int buf) {
-      const unsigned grow = id != ~0u ? by_lp(id) : ~0u;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int s2 = lane / 4 + 8 * i, q = lane % 4;
-        const unsigned r = __shfl_sync(0xffffffffu, grow, s2);
-        const bool ok = r != ~0u;
-        cp_async16(&ws.b[buf][s2][8 * (q ^ ((s2 >> 1) & 3))], gout + (size_t)(ok ? r : 0u) * kD + 8 * q,
-                   ok ? 16 : 0);
-      }
-      cp_async_commit();
-    };
+    auto load_raw = [&](unsigned id) { return load_raw_entry(loc, attn, id); };
+    auto stage_g = [&](unsigned id, int buf) { stage_g_rows(ws.b[buf], gout, id, by_lp, lane); };
     RawEntry cur = load_raw(load_id(un.p0 + lane));
     unsigned id_next = load_id(un.p0 + 32 + lane);
     stage_g(cur.id, 0);
