@@ -225,9 +225,11 @@ def test_fused_takes_non_contiguous_inputs(device, backend):
 # dense problems or deterministic=True), else in backward_kernel (fp32
 # values; 16-bit values on the atomic path). Levels x points: 2 x 3 (rows of
 # 8 slots once padded, reduced by shuffles in the dots kernel), 3 x 4 (12
-# slots, through shared memory), 1 x 1 (sparse: bf16 takes the atomics).
+# slots) and 5 x 3 (20 once padded: rows that do not divide a warp, so a
+# block task of whole rows over its warps, reduced through shared memory),
+# 1 x 1 (sparse: bf16 takes the atomics).
 KERNEL_SHAPES = {"pow2": ([(6, 7), (3, 4)], 3), "odd": ([(6, 7), (3, 4), (2, 2)], 4),
-                 "single": ([(5, 9)], 1)}
+                 "five": ([(6, 7), (3, 4), (2, 2), (2, 1), (1, 1)], 3), "single": ([(5, 9)], 1)}
 
 
 def kernel_backward_grads(inputs, levels, deterministic, **kw):
@@ -262,6 +264,23 @@ def test_fused_kernel_backward_matches_reference(shape, d, boxes, dtype, determi
                              (value, off, logits)):
         assert a.dtype == t.dtype and a.shape == t.shape, name
         assert rel_err(a, b) <= TOL[dtype], name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", ["odd", "five"])
+def test_fused_kernel_backward_many_block_tasks(shape):
+    """More block tasks of whole rows than blocks at once (the grid strides)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    levels, p = KERNEL_SHAPES[shape]
+    inputs = fused_inputs("cuda", torch.bfloat16, False, lq=4001, m=8, d=32, p=p, levels=levels)
+    _, grad, got = kernel_backward_grads(inputs, levels, True)
+    value, shapes, start, ref, off, logits = inputs
+    leaves = [t.detach().double().requires_grad_() for t in (value, off, logits)]
+    want = torch.autograd.grad(composed(leaves[0], shapes, start, ref.double(), leaves[1], leaves[2]),
+                               leaves, grad.double())
+    for name, a, b in zip(["value", "sampling_offsets", "attention_logits"], got, want):
+        assert rel_err(a, b) <= TOL[torch.bfloat16], name
 
 
 @pytest.mark.cuda

@@ -475,13 +475,32 @@ __device__ __forceinline__ float row_reduce(float v, int LPp, int lane, float* t
   return r;
 }
 
+// The same over the rows of a block task (kFused with kFlat): slot s (=
+// threadIdx.x) of row gl < gb (gb = kThreads / L Pp rows a block task),
+// through the block's table; every thread of the block calls it.
+template <typename Op>
+__device__ __forceinline__ float block_row_reduce(float v, int LPp, int s, int gl, int gb, float* tab, Op op) {
+  tab[s] = v;
+  __syncthreads();
+  float r = 0.f;
+  if (gl < gb) {
+    const int first = gl * LPp;
+    r = tab[first];
+    for (int j = 1; j < LPp; ++j) r = op(r, tab[first + j]);
+  }
+  __syncthreads();  // the table is rewritten by the next reduction
+  return r;
+}
+
 // by_lqm, by_m: division by Lq M and by M (groups below 2^31); tasks: warp
-// tasks in all. kFlat (not with kFused; by_lpp: division by L Pp): the
-// slots of all groups are one sequence, 32 a task, so that a group may
-// straddle two tasks and no lane idles when L Pp does not divide 32 (L = 3
-// or 5 at P = 4: a quarter or 3/8 of the lanes otherwise); without it a task
-// is 32 / (L Pp) whole groups (the two agree when L Pp divides 32). kFused
-// needs whole groups: its softmax reduces over a group's slots in the warp.
+// tasks in all (block tasks with kFused and kFlat). kFlat (by_lpp: division
+// by L Pp): no lane idles when L Pp does not divide 32 (L = 3 or 5 at P =
+// 4: a quarter or 3/8 of the lanes otherwise). Without kFused the slots of
+// all groups are one sequence, 32 a warp task, so that a group may straddle
+// two tasks; kFused reduces over a group's slots (its softmax), so there a
+// task is a block's: kThreads / (L Pp) whole groups over its warps, reduced
+// through shared memory. Without kFlat a warp task is 32 / (L Pp) whole
+// groups (the same as the flat sequence when L Pp divides 32).
 // kOnePass: D == 32, one channel pass a tile, so that the
 // unrolled tiles' loads may be in flight together. kFused
 // (ms_deform_attn_fused, p.ref set): the samples are formed from offsets and
@@ -492,14 +511,14 @@ template <typename T, typename LT, bool kOnePass, bool kFused, bool kFlat = fals
 __global__ void __launch_bounds__(kThreads, 4)
     dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m,
                     const FastDiv by_lpp, const int64_t tasks) {
-  static_assert(!(kFused && kFlat), "the fused kernel reduces over whole groups");
   using A = float;
+  constexpr bool kBlockRows = kFused && kFlat;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cell_base[kMaxLevels];
   __shared__ uint4 rows_tab[kDotsWarps][32];   // a slot's four corner rows of value
   __shared__ float4 dots_tab[kDotsWarps][32];  // a slot's four corner dots
-  __shared__ float red_tab[kDotsWarps][kFused ? 32 : 1];  // row_reduce's
+  __shared__ float red_tab[kDotsWarps][kFused ? 32 : 1];  // row_reduce's (block_row_reduce's: flat)
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Pp = padded_points(pb.P), LPp = pb.L * Pp, groups = 32 / LPp;
@@ -528,20 +547,43 @@ __global__ void __launch_bounds__(kThreads, 4)
   const uint32_t* rows_u = reinterpret_cast<const uint32_t*>(rows_tab[warp]) + g;
   float* dots_f = reinterpret_cast<float*>(dots_tab[warp]) + g;
 
-  for (int64_t task = int64_t(blockIdx.x) * kDotsWarps + warp; task < tasks;
-       task += int64_t(gridDim.x) * kDotsWarps) {
+  // Block tasks: gb rows each; slot threadIdx.x of row gl.
+  const int gb = kThreads / LPp;
+  const int gl = kBlockRows ? static_cast<int>(by_lpp(threadIdx.x)) : 0;
+  // A row's reduction (kFused): within the warp, or over the block task.
+  auto reduce_row = [&](float v, auto op) {
+    if constexpr (kBlockRows) {
+      return block_row_reduce(v, LPp, static_cast<int>(threadIdx.x), gl, gb, &red_tab[0][0], op);
+    } else {
+      return row_reduce(v, LPp, lane, red_tab[warp], op);
+    }
+  };
+  const int64_t first_task = kBlockRows ? int64_t(blockIdx.x) : int64_t(blockIdx.x) * kDotsWarps + warp;
+  const int64_t task_stride = kBlockRows ? int64_t(gridDim.x) : int64_t(gridDim.x) * kDotsWarps;
+  for (int64_t task = first_task; task < tasks; task += task_stride) {
     int64_t group = task * groups + rj;
     uint32_t task_group = static_cast<uint32_t>(task) * groups;
     if constexpr (kFlat) {
-      // Slot task * 32 + lane of the sequence (below 2^31: the launch), in
-      // group rel of the four from the task's first group task_group.
-      const uint32_t s0 = static_cast<uint32_t>(task) * 32u, sl = s0 + lane;
-      task_group = by_lpp(s0);
-      const uint32_t grp = by_lpp(sl), ip = sl - grp * static_cast<uint32_t>(LPp);
+      // This lane's slot: of group grp, in group rel of the four from the
+      // warp's first group task_group. Without kFused slot task * 32 + lane
+      // of the sequence (below 2^31: the launch); with it slot threadIdx.x
+      // of the block task's gb rows (past them: idle).
+      uint32_t grp, ip;
+      if constexpr (kBlockRows) {
+        const uint32_t row0 = static_cast<uint32_t>(task) * static_cast<uint32_t>(gb);
+        task_group = row0 + by_lpp(32u * warp);
+        grp = row0 + static_cast<uint32_t>(gl);
+        ip = threadIdx.x - static_cast<uint32_t>(gl * LPp);
+      } else {
+        const uint32_t s0 = static_cast<uint32_t>(task) * 32u, sl = s0 + lane;
+        task_group = by_lpp(s0);
+        grp = by_lpp(sl);
+        ip = sl - grp * static_cast<uint32_t>(LPp);
+      }
       group = grp;
       l = static_cast<int>(ip) / Pp;
       pt = static_cast<int>(ip) - l * Pp;
-      slot_ok = pt < pb.P;
+      slot_ok = pt < pb.P && (!kBlockRows || gl < gb);
       const uint32_t rel = grp - task_group;
       first_hi = __shfl_sync(0xffffffffu, static_cast<int>(rel), 16);
       // Bit k of writes: tile k (slots 2 k, 2 k + 1, one group since L Pp is
@@ -587,8 +629,8 @@ __global__ void __launch_bounds__(kThreads, 4)
           r[3] = ref[3];
         }
       }
-      row_max = row_reduce(z, LPp, lane, red_tab[warp], [](float a, float b) { return fmaxf(a, b); });
-      row_inv = 1.f / row_reduce(expf(z - row_max), LPp, lane, red_tab[warp],
+      row_max = reduce_row(z, [](float a, float b) { return fmaxf(a, b); });
+      row_inv = 1.f / reduce_row(expf(z - row_max),
                                  [](float a, float b) { return a + b; });
     }
     if (live) {
@@ -666,7 +708,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     }
     if constexpr (kFused) {
       // Softmax: d logit_i = a_i (g_i - sum_j a_j g_j) over the row.
-      const float ag = row_reduce(live ? s.w * gr[0] : 0.f, LPp, lane, red_tab[warp],
+      const float ag = reduce_row(live ? s.w * gr[0] : 0.f,
                                   [](float a, float b) { return a + b; });
       if (live) {
         write_sample_grads<A, LT>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
@@ -708,15 +750,26 @@ struct DotsLaunch {
       const int64_t resident_warps = int64_t(d.sms) * 4 * kDotsWarps;
       const bool flat = p.ref == nullptr && 32 % LPp != 0 && G * LPp + 32 <= int64_t(INT32_MAX) &&
                         (G * LPp + 31) / 32 >= 8 * resident_warps;
-      const int64_t tasks = flat ? (G * LPp + 31) / 32 : (G + 32 / LPp - 1) / (32 / LPp);
+      // The fused kernel's block tasks of kThreads / (L Pp) whole rows where
+      // whole rows leave lanes of a warp idle.
+      const bool block_rows = p.ref != nullptr && 32 % LPp != 0;
+      const int64_t rows_per_block = kThreads / LPp;
+      const int64_t tasks = block_rows ? (G + rows_per_block - 1) / rows_per_block
+                            : flat     ? (G * LPp + 31) / 32
+                                       : (G + 32 / LPp - 1) / (32 / LPp);
       if (tasks == 0) return cudaSuccess;
       // The blocks that fit at once (4 an SM: __launch_bounds__), the rest of
       // the tasks in turn.
-      const int64_t blocks = std::min<int64_t>((tasks + kDotsWarps - 1) / kDotsWarps, int64_t(d.sms) * 4);
+      const int64_t blocks = std::min<int64_t>(block_rows ? tasks : (tasks + kDotsWarps - 1) / kDotsWarps,
+                                               int64_t(d.sms) * 4);
       const FastDiv by_lqm(static_cast<uint32_t>(pb.Lq * pb.M)), by_m(static_cast<uint32_t>(pb.M)),
           by_lpp(static_cast<uint32_t>(LPp));
       const unsigned grid = static_cast<unsigned>(blocks);
-      if (p.ref != nullptr) {
+      if (block_rows) {
+        pb.D == 32
+            ? dots_mma_kernel<T, LT, true, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
+            : dots_mma_kernel<T, LT, false, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
+      } else if (p.ref != nullptr) {
         pb.D == 32 ? dots_mma_kernel<T, LT, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
                    : dots_mma_kernel<T, LT, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
       } else if (flat) {
