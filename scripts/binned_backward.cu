@@ -51,20 +51,12 @@
 
 #include "../csrc/cuda/common.cuh"       // FastDiv
 #include "../csrc/cuda/tensor_core.cuh"  // mma_16816, cp.async, split_bf16, wtg_round
+#include "cuda_check.cuh"                // CHECK
 
 using msda::cuda::FastDiv;
 using msda::cuda::cp_async16;
 using msda::cuda::cp_async_commit;
 using msda::cuda::split_bf16;
-
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_));      \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
 
 using bf16 = __nv_bfloat16;
 constexpr int kD = 32;
