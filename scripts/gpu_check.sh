@@ -4,7 +4,7 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes,
-#                               profile, sass, dsmem, cpp, cputhreads, layerk, binned)
+#                               profile, sass, dsmem, cpp, cputhreads, layerk, binned, paths)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -46,6 +46,17 @@ for stage in $STAGES; do
     bench)
       $PY -m benchmarks.run $BENCH_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "BENCH FAILED"; status=1; } ;;
+    paths)
+      # The backward by grad_value path, one benchmarks.run each
+      # (MS_DEFORM_ATTN_GRAD_VALUE = atomic, sorted, local; PATHS_ARGS: its
+      # arguments; JSON under $OUT/path_<path>).
+      for path in ${GRAD_VALUE_PATHS:-atomic sorted local}; do
+        echo "--- grad_value path $path"
+        MS_DEFORM_ATTN_GRAD_VALUE=$path $PY -m benchmarks.run \
+          ${PATHS_ARGS:---workloads rtdetr_dec,dino_dec,ddetr_dec --dtypes bf16,fp32 --backends baseline --target-ms 60} \
+          --no-plot --out "$OUT/path_$path" 2>&1 | tee "$OUT/path_$path.log" | grep -E '^\|' | tail -12
+        [ "${PIPESTATUS[0]}" = 0 ] || { echo "PATH BENCH FAILED ($path)"; status=1; }
+      done ;;
     cpp)
       # The C++ example (examples/cpp) against the in-place build: CPU and CUDA.
       { rm -rf /tmp/msda-cpp

@@ -8,11 +8,23 @@ from helpers import TOL, device_backends, make_inputs, poisoned, reference64_gra
 
 
 def op(backend, deterministic=None):
-    return lambda v, s, st, l, a: run(v, s, st, l, a, backend, deterministic=deterministic)
+    det = True if deterministic == "local" else deterministic
+    return lambda v, s, st, l, a: run(v, s, st, l, a, backend, deterministic=det)
 
 
-# The fast backward (atomics) and the deterministic one (sort and gather).
-MODES = pytest.mark.parametrize("deterministic", [False, True], ids=["fast", "det"])
+# The fast backward (atomics), the deterministic one by the global sort, and
+# the deterministic one by the block-local sort (the decoders' default, where
+# the samples of one (n, m, level) fit a block; else the global sort). The
+# fixture below pins each mode's grad_value path on CUDA.
+MODES = pytest.mark.parametrize("deterministic", [False, True, "local"], ids=["fast", "det", "local"])
+PATHS = {False: "atomic", True: "sorted", "local": "local"}
+
+
+@pytest.fixture(autouse=True)
+def _grad_value_path(request, monkeypatch):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and "deterministic" in callspec.params:
+        monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", PATHS[callspec.params["deterministic"]])
 
 
 def nondet_tol(deterministic):
@@ -134,15 +146,20 @@ def _crowded_inputs(device, dtype):
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
                          ids=["float32", "bfloat16", "float64"])
-def test_deterministic_backward_is_bitwise_reproducible(device, backend, dtype):
+@pytest.mark.parametrize("path", ["sorted", "local"])
+def test_deterministic_backward_is_bitwise_reproducible(device, backend, dtype, path, monkeypatch):
+    if device == "cpu" and path == "local":
+        pytest.skip("one CPU path")
     inputs = _crowded_inputs(device, dtype)
     grad = torch.randn(2, 300, 4 * 32, dtype=dtype, device=device)
+    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", path)
     first = _grads(backend, inputs, grad, True)
     for _ in range(3):
         again = _grads(backend, inputs, grad, True)
         for a, b in zip(first, again):
             assert torch.equal(_bits(a), _bits(b))
     # ... and it is the same gradient as the fast path's, within tolerance.
+    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "atomic")
     fast = _grads(backend, inputs, grad, False)
     for name, a, b in zip(("value", "locations", "weights"), first, fast):
         assert rel_err(a, b.double()) <= TOL[dtype], name
@@ -273,7 +290,8 @@ def test_deterministic_dots_on_tensor_cores(dtype, d, shapes, p, lq, misaligned)
     (96, [(6, 10)], 2, 40, False),                     # three passes
     (32, [(16, 16), (8, 8)], 4, 2000, True),           # every sample within 2 pixels of one point
 ], ids=["narrow-levels", "d64", "d96", "one-tile"])
-def test_deterministic_grad_value_on_tensor_cores(d, shapes, p, lq, crowd):
+def test_deterministic_grad_value_on_tensor_cores(d, shapes, p, lq, crowd, monkeypatch):
+    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "sorted")  # not the block-local path
     dtype = torch.bfloat16
     value, shapes_t, start, loc, attn = make_inputs(2, lq, 3, d, shapes, p, dtype, torch.float32,
                                                     device="cuda", seed=11)

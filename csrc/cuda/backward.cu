@@ -797,8 +797,13 @@ bool sorted_backward_preferred(const BackwardParams& p) {
   // the atomic path's accumulator (4 D bytes a pixel): a memory bound, not a
   // speed measurement.
   const int64_t samples = pb.Lq * pb.L * pb.P;
-  return pb.value_dtype == DType::bf16 && dots_mma_ok(p) && 3 * samples >= pb.S &&
-         samples <= pb.S * pb.D;
+  // Where the block-local grad_value applies (the decoders) it is the faster
+  // one for 16-bit values too; for fp32 values the atomics stay faster
+  // (benchmarks/NOTES.md, eleventh session).
+  const bool dense_bf16 = pb.value_dtype == DType::bf16 && dots_mma_ok(p) && 3 * samples >= pb.S &&
+                          samples <= pb.S * pb.D;
+  const bool half = pb.value_dtype == DType::bf16 || pb.value_dtype == DType::f16;
+  return dense_bf16 || (half && local_value_grad_ok(p));
 }
 
 cudaError_t backward(const BackwardParams& p, cudaStream_t stream) {

@@ -113,20 +113,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row = id / LP;
   const int l = static_cast<int>((id - row * LP) / pb.P);
   const Level lv = levels[l];
-  A xy[2], w;
-  if constexpr (kFused) {
-    float o[2];
-    load_xy(static_cast<const LT*>(p.loc) + 2 * id, o);
-    fused_location(o, p.ref + (row / pb.M * pb.L + l) * p.ref_dim, p.ref_dim, 0.5f / float(pb.P),
-                   lv, xy[0], xy[1]);
-    const float2 st = reinterpret_cast<const float2*>(p.row_stats)[row];
-    w = lv.weight(fused_weight(float(to_acc(static_cast<const LT*>(p.attn)[id])), st.x, st.y));
-  } else {
-    load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
-    w = lv.weight(A(to_acc(static_cast<const LT*>(p.attn)[id])));
-  }
+  A w;
+  const float* ref_row = kFused ? p.ref + (row / pb.M * pb.L + l) * p.ref_dim : nullptr;
+  const auto b = resolve_sample<A, LT, kFused>(p, id, row, ref_row, lv, w);
   // The arithmetic of the key's: the same cell, hence the same corners.
-  const auto b = make_bilinear<A>(xy[0], xy[1], w, lv.H, lv.W);
   rows[j] = Id(row);
 #pragma unroll
   for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);

@@ -278,6 +278,31 @@ __device__ __forceinline__ float fused_weight(float z, float max, float inv_sum)
   return __fmul_rn(expf(z - max), inv_sum);
 }
 
+// A sample of the sorted backward's grad_value, resolved for its corner
+// weights: location and attention weight from the operator's inputs (kFused:
+// from the offset, the reference row `ref_row` of its query and level, the
+// logit and the row's softmax statistics the dots kernel wrote, by the dots
+// kernel's arithmetic), then its footprint on level lv. The weight (w, the
+// level's poison applied) goes to `w`. Every kernel that resolves a sample
+// for grad_value does it through here, so all find the same cell.
+template <typename A, typename LT, bool kFused>
+__device__ __forceinline__ Bilinear<A> resolve_sample(const BackwardParams& p, int64_t id, int64_t row,
+                                                      const float* ref_row, const Level& lv, A& w) {
+  A xy[2];
+  if constexpr (kFused) {
+    static_assert(std::is_same_v<A, float>, "the fused operator accumulates in float");
+    float o[2];
+    load_xy(static_cast<const LT*>(p.loc) + 2 * id, o);
+    fused_location(o, ref_row, p.ref_dim, 0.5f / float(p.pb.P), lv, xy[0], xy[1]);
+    const float2 st = __ldg(reinterpret_cast<const float2*>(p.row_stats) + row);
+    w = lv.weight(fused_weight(float(to_acc(__ldg(static_cast<const LT*>(p.attn) + id))), st.x, st.y));
+  } else {
+    load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
+    w = lv.weight(A(to_acc(__ldg(static_cast<const LT*>(p.attn) + id))));
+  }
+  return make_bilinear<A>(xy[0], xy[1], w, lv.H, lv.W);
+}
+
 // ---- cells (deterministic backward) ---------------------------------------
 // Every bilinear cell (h0, w0), h0 in [-1, H), w0 in [-1, W), of every level of
 // every (n, m) gets one key, so that sorting samples by key groups the samples

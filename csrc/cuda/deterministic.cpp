@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "../output.h"
 #include "../validation.h"
@@ -23,6 +25,24 @@ int bits_for(int64_t x) {
 
 }  // namespace
 
+GradValuePath grad_value_path() {
+  const char* env = std::getenv("MS_DEFORM_ATTN_GRAD_VALUE");
+  if (env == nullptr) return GradValuePath::automatic;
+  if (std::strcmp(env, "atomic") == 0) return GradValuePath::atomic;
+  if (std::strcmp(env, "sorted") == 0) return GradValuePath::sorted;
+  if (std::strcmp(env, "local") == 0) return GradValuePath::local;
+  return GradValuePath::automatic;
+}
+
+bool use_sorted_backward(const BackwardParams& p, bool deterministic) {
+  switch (grad_value_path()) {
+    case GradValuePath::atomic: return deterministic;
+    case GradValuePath::sorted:
+    case GradValuePath::local: return true;
+    default: return deterministic || cuda::sorted_backward_preferred(p);
+  }
+}
+
 // grad_value by sort and gather (backward_deterministic.cu): bitwise the same
 // on every run. Scratch: per sample 4 keys / ids (4 bytes each, 8 when wide;
 // the sort's double buffers, its temp is small) and 4 weights (16 bytes; 32
@@ -36,6 +56,18 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   b.end_bit = bits_for(b.cells);
   b.wide = b.cells >= int64_t(UINT32_MAX) || b.items >= int64_t(UINT32_MAX);
   if (b.items == 0) return at::zeros(in.value.sizes(), in.value.options());
+  if (grad_value_path() != GradValuePath::sorted && cuda::local_value_grad_ok(p)) {
+    // Block-local: the dots kernel writes no keys; the only scratch is the
+    // blocks' work counter.
+    p.grad_value_acc = nullptr;
+    p.cell_keys = nullptr;
+    C10_CUDA_CHECK(cuda::backward(p, stream));
+    at::Tensor grad_value = new_output(in.value.sizes(), in.value.options());
+    at::Tensor counter = at::zeros({1}, in.value.options().dtype(at::kInt));
+    C10_CUDA_CHECK(cuda::local_value_grad(p, grad_value.data_ptr(),
+                                          reinterpret_cast<unsigned*>(counter.data_ptr<int>()), stream));
+    return grad_value;
+  }
   const auto idx = in.value.options().dtype(b.wide ? at::kLong : at::kInt);
   at::Tensor keys = at::empty({b.items}, idx), ids = at::empty({b.items}, idx);
   at::Tensor sorted_keys = at::empty({b.items}, idx), sorted_ids = at::empty({b.items}, idx);

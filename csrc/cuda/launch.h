@@ -53,11 +53,22 @@ bool dots_mma_ok(const BackwardParams& p);
 // values, whose dots and grad_value then run on tensor cores (D a multiple
 // of 32, at most 32 samples a query once each level's points are padded to
 // 4, 16-byte aligned value and grad_output), and between a third of a
-// sample and D samples a value pixel (S / 3 <= Lq L P <= S D: the encoders,
-// not sparse decoders, where the sort's fixed costs lose to atomics; the
-// upper bound keeps the sorted path's scratch within 8x the atomic path's
-// accumulator).
+// sample and D samples a value pixel (S / 3 <= Lq L P <= S D: the encoders;
+// the upper bound keeps the sorted path's scratch within 8x the atomic
+// path's accumulator); and 16-bit values wherever the block-local grad_value
+// applies (local_value_grad_ok: the decoders, no sort).
 bool sorted_backward_preferred(const BackwardParams& p);
+
+// grad_value of the deterministic backward where the samples of one (n, m,
+// level) fit one block (backward_local.cu): Lq P <= 4096, fp32 locations,
+// 16-bit or fp32 values with D a multiple of 16 bytes, 16-byte aligned
+// grad_output, N M S < 2^31. After backward() (cell_keys null) it writes all
+// of grad_value (N, S, M, D, value's dtype, 16-byte aligned), the same bits
+// on every run. Scratch: `counter`, one unsigned zeroed before the call (the
+// blocks take their work from it).
+bool local_value_grad_ok(const BackwardParams& p);
+cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,
+                             cudaStream_t stream);
 
 // Column sums of a row-major [rows, cols] matrix (column_sum.cu): the bias
 // gradient of ms_deform_attn::_linear. The launch's shape comes from

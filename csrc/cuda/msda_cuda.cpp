@@ -175,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   p.grad_attn = grad_attn.data_ptr();
   // The sorted backward is bitwise reproducible; where it is also the faster
   // one it serves every call, not only the ones that ask for determinism.
-  const bool sorted = deterministic || cuda::sorted_backward_preferred(p);
+  const bool sorted = cuda::use_sorted_backward(p, deterministic);
   pick_backward_vec(p, in, sorted);
   at::Tensor grad_value = grad_value_of(p, in, sorted, at::cuda::getCurrentCUDAStream());
   return {grad_value, grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
@@ -209,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
   at::Tensor gout;
   BackwardParams p = backward_params(in, grad_output, value, gout);
   if (pb.N * pb.Lq * pb.M == 0) return composite();
-  const bool sorted = deterministic || cuda::sorted_backward_preferred(p);
+  const bool sorted = cuda::use_sorted_backward(p, deterministic);
   const bool dots = sorted && vt != at::kFloat && cuda::dots_mma_ok(p);
   const int want = pick_backward_vec(p, in, sorted);
   if (!dots && (p.vec != want || pb.D > int64_t(32) * want)) {  // one channel pass

@@ -1,0 +1,114 @@
+"""The sorted backward's block-local grad_value (csrc/cuda/backward_local.cu):
+the decoders' path, where the Lq P samples of one (n, m, level) fit one
+block's sort (at most 4096). A block owns a 32 x 64-pixel tile; these cases
+walk its edges: levels of several tiles and a pixel over, 1 x 1 levels, every
+sample in one cell, the cap exactly and one query over it (the global sort
+then), non-finite samples, several channel passes, the fused operator. Each
+against float64, bitwise against a repeat, and within tolerance of the
+global sort's result."""
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from helpers import TOL, make_inputs, reference64_grads, rel_err, run
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.uint8)
+
+
+def grads(monkeypatch, path, inputs, grad):
+    """Gradients of (value, loc, attn) by the deterministic backward with
+    MS_DEFORM_ATTN_GRAD_VALUE = `path` ("local" or "sorted")."""
+    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", path)
+    value, shapes, start, loc, attn = inputs
+    out = run(value, shapes, start, loc, attn, "baseline", deterministic=True)
+    return torch.autograd.grad(out, (value, loc, attn), grad)
+
+
+CASES = [
+    # n, lq, m, d, level shapes, p
+    pytest.param(2, 300, 8, 32, [(80, 80), (40, 40), (20, 20)], 4, id="rtdetr-like"),
+    pytest.param(2, 50, 3, 64, [(33, 65), (1, 1), (2, 130), (64, 1)], 3, id="tile-edges"),
+    pytest.param(1, 7, 1, 128, [(4, 4)], 2, id="d128"),
+    pytest.param(1, 1024, 2, 32, [(5, 7), (3, 3)], 4, id="at-cap"),
+    pytest.param(1, 1025, 2, 32, [(5, 7)], 4, id="over-cap"),
+]
+
+
+@pytest.mark.parametrize("n,lq,m,d,shapes,p", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("crowd", [False, True], ids=["spread", "one-cell"])
+def test_local_grad_value(monkeypatch, n, lq, m, d, shapes, p, dtype, crowd):
+    inputs = make_inputs(n, lq, m, d, shapes, p, dtype, torch.float32, device="cuda", seed=3)
+    value, shapes_t, start, loc, attn = inputs
+    with torch.no_grad():
+        if crowd:  # every sample of a level in one cell (all in one tile, one run)
+            loc.fill_(0.513)
+        loc[0, :3, 0, 0, 0] = torch.tensor([[float("nan"), 0.5], [0.5, float("inf")], [-0.3, 1.2]])
+    inputs = (value, shapes_t, start, *(t.detach().requires_grad_() for t in (loc, attn)))
+    inputs = (inputs[0].detach().requires_grad_(),) + inputs[1:]
+    grad = torch.randn(n, lq, m * d, dtype=dtype, device="cuda")
+    got = grads(monkeypatch, "local", inputs, grad)
+    ref = reference64_grads(*inputs, grad)
+    # grad_value: bf16's rounding of the output alone is ~1e-3 (as the tiles').
+    tol = 3e-3 if dtype == torch.bfloat16 else TOL[dtype]
+    for name, g, r, t in zip(("value", "locations", "weights"), got, ref, (tol, TOL[dtype], TOL[dtype])):
+        assert rel_err(g, r) <= t, name
+    again = grads(monkeypatch, "local", inputs, grad)
+    for a, b in zip(got, again):
+        assert torch.equal(bits(a), bits(b))
+    sorted_ = grads(monkeypatch, "sorted", inputs, grad)
+    assert rel_err(got[0], sorted_[0].double()) <= tol
+
+
+def test_local_is_the_16_bit_decoders_default(monkeypatch):
+    """A decoder-sized problem's default backward with 16-bit values is the
+    block-local one (measured faster there than the atomics; fp32 keeps the
+    atomics): bitwise the deterministic gradients."""
+    monkeypatch.delenv("MS_DEFORM_ATTN_GRAD_VALUE", raising=False)
+    for dtype in (torch.bfloat16, torch.float16):
+        value, shapes, start, loc, attn = make_inputs(2, 300, 8, 32, [(20, 30), (10, 15)], 4, dtype,
+                                                      torch.float32, device="cuda", seed=9,
+                                                      requires_grad=True)
+        grad = torch.randn(2, 300, 8 * 32, device="cuda", dtype=dtype)
+        got = [torch.autograd.grad(run(value, shapes, start, loc, attn, "baseline",
+                                       deterministic=det), (value, loc, attn), grad)
+               for det in (False, True)]
+        for a, b in zip(*got):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_local_grad_value_fused(monkeypatch, boxes, dtype):
+    """The fused operator's backward on the block-local path (locations and
+    weights formed from offsets, logits and the row statistics) against the
+    global sort's, and repeatable bit for bit."""
+    torch.manual_seed(4)
+    n, lq, m, d, p = 2, 200, 4, 32, 4
+    shapes = [(40, 70), (20, 35), (10, 18)]
+    levels = torch.tensor(shapes, device="cuda")
+    start = torch.tensor([0, 2800, 3500], device="cuda")
+    s = sum(h * w for h, w in shapes)
+    value = torch.randn(n, s, m, d, device="cuda", dtype=dtype, requires_grad=True)
+    ref = torch.rand(n, lq, len(shapes), 4 if boxes else 2, device="cuda")
+    off = (4 * torch.randn(n, lq, m, len(shapes), p, 2, device="cuda")).requires_grad_()
+    logits = torch.randn(n, lq, m, len(shapes) * p, device="cuda", requires_grad=True)
+    grad = torch.randn(n, lq, m * d, device="cuda", dtype=dtype)
+
+    def fused_grads(path):
+        monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", path)
+        out = msda.ms_deform_attn_fused(value, levels, start, ref, off, logits, deterministic=True,
+                                        spatial_shapes_list=shapes)
+        return torch.autograd.grad(out, (value, off, logits), grad)
+
+    local, again, sorted_ = fused_grads("local"), fused_grads("local"), fused_grads("sorted")
+    for a, b in zip(local, again):
+        assert torch.equal(a, b)
+    tol = 3e-3 if dtype == torch.bfloat16 else TOL[dtype]
+    for name, a, b in zip(("value", "offsets", "logits"), local, sorted_):
+        assert rel_err(a, b.double()) <= tol, name
