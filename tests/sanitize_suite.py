@@ -1,6 +1,6 @@
 """Small cases for compute-sanitizer (scripts/gpu_check.sh, stage
-`sanitize`): every CUDA backend, forward and backward (fast and
-deterministic), every dtype, locations inside, outside, on pixel centres and
+`sanitize`): every CUDA backend, forward and backward (atomics, global sort,
+block-local sort), every dtype, locations inside, outside, on pixel centres and
 level borders, NaN and infinite; D that takes the vector and the scalar
 paths; the persistent backend with no shared-memory cache. Prints the cases
 run; any sanitizer report fails the stage (--error-exitcode).
@@ -16,6 +16,10 @@ import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
 from helpers import make_inputs  # noqa: E402
+
+# The backward's grad_value paths (MS_DEFORM_ATTN_GRAD_VALUE): atomics, the
+# global sort, the block-local sort (where it applies; else the global one).
+PATHS = [(False, "atomic"), (True, "sorted"), (True, "local")]
 
 SPECIAL = [0.0, 1.0, 0.5, 1 / 16, -1 / 16, 1 + 1 / 16, -3.0, 4.0, float("nan"), float("inf"),
            -float("inf")]
@@ -54,22 +58,27 @@ def main() -> int:
                 if msda.backend_reason(backend, value, shapes, start, loc, attn,
                                        spatial_shapes_list=levels):
                     continue  # e.g. tma with float64 values
-                for det in (False, True):
+                for det, path in PATHS:
+                    os.environ["MS_DEFORM_ATTN_GRAD_VALUE"] = path
                     out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
                                               deterministic=det, spatial_shapes_list=levels)
                     torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
                     count += 1
-    # Crowded levels: the deterministic grad_value's tiles split over several
-    # warps (bf16, one and two 32-channel passes).
+    # Crowded levels: the global sort's grad_value tiles split over several
+    # warps, and the block-local path's crowded cells (its radix sort; bf16,
+    # one and two 32-channel passes).
     for d in (32, 64):
-        levels = [(5, 7), (3, 2), (1, 1)]
-        value, shapes, start, loc, attn = make_inputs(2, 400, 3, d, levels, 3, torch.bfloat16,
-                                                      torch.float32, outside=0.3, seed=count)
-        shapes, start = shapes.cuda(), start.cuda()
-        value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
-        out = msda.ms_deform_attn(value, shapes, start, loc, attn, deterministic=True)
-        torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
-        count += 1
+        for path in ("sorted", "local"):
+            os.environ["MS_DEFORM_ATTN_GRAD_VALUE"] = path
+            levels = [(5, 7), (3, 2), (1, 1)]
+            value, shapes, start, loc, attn = make_inputs(2, 400, 3, d, levels, 3, torch.bfloat16,
+                                                          torch.float32, outside=0.3, seed=count)
+            shapes, start = shapes.cuda(), start.cuda()
+            value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
+            out = msda.ms_deform_attn(value, shapes, start, loc, attn, deterministic=True)
+            torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
+            count += 1
+    os.environ.pop("MS_DEFORM_ATTN_GRAD_VALUE", None)
     torch.cuda.synchronize()
     print(f"sanitize suite: {count} forward+backward cases, backends "
           f"{msda.available_backends('cuda')}")
