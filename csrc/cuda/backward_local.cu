@@ -305,6 +305,8 @@ struct LocalLaunch {
 bool local_value_grad_ok(const BackwardParams& p) {
   const Problem& pb = p.pb;
   const int64_t elem = dtype_bytes(pb.value_dtype);
+  DeviceLimits d;  // the current device's: its blocks must hold LocalSmem (sm_75: no)
+  if (device_limits(d) != cudaSuccess || d.smem_optin < int(sizeof(LocalSmem))) return false;
   return pb.value_dtype != DType::f64 && pb.loc_dtype == DType::f32 && pb.L >= 1 &&
          pb.Lq * pb.P <= kLocalCap && pb.N * pb.M * pb.S < (int64_t(1) << 31) &&
          pb.M * pb.D * elem <= int64_t(UINT32_MAX) &&

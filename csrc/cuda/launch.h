@@ -62,7 +62,8 @@ bool sorted_backward_preferred(const BackwardParams& p);
 // grad_value of the deterministic backward where the samples of one (n, m,
 // level) fit one block (backward_local.cu): Lq P <= 4096, fp32 locations,
 // 16-bit or fp32 values with D a multiple of 16 bytes, 16-byte aligned
-// grad_output, N M S < 2^31. After backward() (cell_keys null) it writes all
+// grad_output, N M S < 2^31, and a current device whose blocks may opt in
+// to ~95 KB of shared memory (sm_80 and later). After backward() (cell_keys null) it writes all
 // of grad_value (N, S, M, D, value's dtype, 16-byte aligned), the same bits
 // on every run. Scratch: `counter`, one unsigned zeroed before the call (the
 // blocks take their work from it).
