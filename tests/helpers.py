@@ -53,6 +53,12 @@ def make_inputs(n, lq, m, d, shapes, p, dtype, loc_dtype=None, device="cpu", out
     return value, shapes_t, start, loc, attn
 
 
+def bits(t):
+    """The raw bytes of t, for bitwise comparisons that NaN (unequal to
+    itself) does not break."""
+    return t.detach().contiguous().view(torch.uint8)
+
+
 def away_from_pixel_borders(loc, shapes, margin=1e-4):
     """Moves float64 locations that fall within `margin` pixels of a pixel
     border off it. The location gradient jumps at borders, and the kernels'

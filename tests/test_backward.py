@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ms_deform_attn.reference import ms_deform_attn_pytorch
-from helpers import TOL, device_backends, make_inputs, poisoned, reference64_grads, rel_err, run
+from helpers import TOL, bits, device_backends, make_inputs, poisoned, reference64_grads, rel_err, run
 
 
 def op(backend, deterministic=None):
@@ -126,10 +126,6 @@ def _grads(backend, inputs, grad, deterministic):
     return torch.autograd.grad(out, (value, loc, attn), grad)
 
 
-def _bits(t):
-    return t.detach().contiguous().view(torch.uint8)
-
-
 def _crowded_inputs(device, dtype):
     """Many samples in few cells (heavy contention on grad_value), some
     outside, some exactly on borders and a few NaN."""
@@ -157,7 +153,7 @@ def test_deterministic_backward_is_bitwise_reproducible(device, backend, dtype, 
     for _ in range(3):
         again = _grads(backend, inputs, grad, True)
         for a, b in zip(first, again):
-            assert torch.equal(_bits(a), _bits(b))
+            assert torch.equal(bits(a), bits(b))
     # ... and it is the same gradient as the fast path's, within tolerance.
     monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "atomic")
     fast = _grads(backend, inputs, grad, False)
@@ -178,7 +174,7 @@ def test_deterministic_follows_torch_flag(device, backend):
     finally:
         torch.use_deterministic_algorithms(before)
     for a, b in zip(explicit, implicit):
-        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(bits(a), bits(b))
 
 
 @MODES

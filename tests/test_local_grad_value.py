@@ -10,13 +10,9 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import TOL, make_inputs, reference64_grads, rel_err, run
+from helpers import TOL, bits, make_inputs, reference64_grads, rel_err, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-def bits(t):
-    return t.detach().contiguous().view(torch.uint8)
 
 
 def grads(monkeypatch, path, inputs, grad):
