@@ -4,7 +4,7 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes,
-#                               profile, sass, dsmem, cpp, cputhreads, layerk, binned, paths)
+#                               profile, source, sass, dsmem, cpp, cputhreads, layerk, binned, paths)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -136,6 +136,25 @@ for stage in $STAGES; do
         timeout ${BINNED_TIMEOUT:-60} /tmp/binning_bench $w >> "$OUT/binned.txt" 2>&1 || { echo "rc $?" >> "$OUT/binned.txt"; status=1; }
       done
       cat "$OUT/binned.txt" ;;
+    source)
+      # Nsight Compute source counters (instructions and stalls a source line)
+      # of one kernel (SOURCE_KERNEL, a regex) for each run of
+      # scripts/profile_kernels.py (SOURCE_ARGS, ';' between runs); the
+      # reports and their CUDA-line and SASS pages as CSV under $OUT.
+      IFS=';' read -ra runs <<< "${SOURCE_ARGS:-rtdetr_dec bf16 backward}"
+      i=0
+      for r in "${runs[@]}"; do
+        ncu --clock-control none --profile-from-start off -k regex:"${SOURCE_KERNEL:-value_grad_local}" \
+          --section SourceCounters --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+          --import-source yes -f -o "$OUT/source_$i" $PY scripts/profile_kernels.py $r > "$OUT/source_$i.log" 2>&1 \
+          || { echo "SOURCE PROFILE FAILED ($r)"; tail -5 "$OUT/source_$i.log"; status=1; }
+        for page in cuda sass; do
+          ncu -i "$OUT/source_$i.ncu-rep" --page source --csv --print-source $page > "$OUT/source_${i}_$page.csv" 2>&1
+        done
+        ncu -i "$OUT/source_$i.ncu-rep" --page details > "$OUT/source_${i}_details.txt" 2>&1
+        echo "--- source $i: $r"; grep -E "Duration|Executed Ipc|Issued Warp|No Eligible" "$OUT/source_${i}_details.txt" | head -8
+        i=$((i + 1))
+      done ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
