@@ -63,6 +63,13 @@ struct BackwardParams {
   void* sample_ids = nullptr;  // (samples,) same type
   bool wide_keys = false;
   int64_t cell_stride = 0;     // keys per (n, m): 2 * S + 2 * L bounds the cells of all levels
+  // Block-local path (cuda/backward_local.cu): when local_cell is set, the
+  // kernel writes every sample's record for it instead (at ((n M + m) L + l)
+  // Lq P + q P + p): the sample's cell on its level, (h0 + 1) (W + 1) + w0 + 1
+  // (0xffffffff where it adds nothing), and its four corner weights times its
+  // attention weight, fp32, in the order (0, 2, 1, 3).
+  void* local_cell = nullptr;  // (samples,) uint32
+  void* local_wts = nullptr;   // (samples, 4) float, 16-byte aligned
   // ms_deform_attn_fused (the sorted path only): with ref set, loc holds the
   // sampling offsets and attn the attention logits, as in ForwardParams;
   // grad_loc and grad_attn receive the gradients of those, and row_stats

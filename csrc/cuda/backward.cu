@@ -153,19 +153,42 @@ __device__ __forceinline__ void sample_grads(const BackwardSample<A>& s, const A
   }
 }
 
+// The block-local grad_value's record of sample i of group (n, q, m) (nm =
+// n M + m; see BackwardParams::local_cell): 32-bit indices, the launch keeps
+// the samples below 2^31 and A float.
+template <typename A>
+__device__ __forceinline__ void write_local_record(const BackwardParams& p, const BackwardSample<A>& s,
+                                                   int64_t group, int i, int64_t nm) {
+  const uint32_t M = uint32_t(p.pb.M), Lq = uint32_t(p.pb.Lq), P = uint32_t(p.pb.P);
+  const uint32_t n = uint32_t(nm) / M, q = uint32_t(group) / M - n * Lq, l = uint32_t(i) / P;
+  const uint32_t o = (uint32_t(nm) * uint32_t(p.pb.L) + l) * (Lq * P) + q * P + (uint32_t(i) - l * P);
+  if (s.b.inside && !s.b.poisoned()) {
+    const float w = float(s.w);
+    static_cast<uint32_t*>(p.local_cell)[o] =
+        uint32_t(s.b.h0 + 1) * uint32_t(s.lv.W + 1) + uint32_t(s.b.w0 + 1);
+    static_cast<float4*>(p.local_wts)[o] = make_float4(w * float(s.b.weight(0)), w * float(s.b.weight(2)),
+                                                       w * float(s.b.weight(1)), w * float(s.b.weight(3)));
+  } else {
+    static_cast<uint32_t*>(p.local_cell)[o] = 0xffffffffu;
+  }
+}
+
 // Writes the attention weight and location gradients of sample i of group
 // `group` (g summed over the group) and, on the deterministic path, its cell
 // key (nm = n M + m of the group (n, q, m), level_base = its level's first
 // cell).
 // The same with the three values given: the weight's (or logit's) gradient
 // ga and the location's (or offset's) (gx, gy).
-template <typename A, typename LT>
+template <typename A, typename LT, bool kRecord = true>
 __device__ __forceinline__ void write_sample_grads(const BackwardParams& p, const BackwardSample<A>& s,
                                                    A ga, A gx, A gy, int64_t group, int i, int64_t nm,
                                                    int64_t level_base) {
   const int64_t sample = group * p.pb.L * p.pb.P + i;
   if (p.cell_keys != nullptr) {
     write_key(p, sample, s.b.inside && !s.b.poisoned(), nm, level_base, s.b, s.lv.W);
+  }
+  if constexpr (kRecord) {  // the fused kernels leave the records to local_footprints
+    if (p.local_cell != nullptr) write_local_record(p, s, group, i, nm);
   }
   static_cast<LT*>(p.grad_attn)[sample] = from_acc<LT>(acc_t<LT>(ga));
   LT* gloc = static_cast<LT*>(p.grad_loc) + sample * 2;
@@ -257,8 +280,8 @@ __global__ void __launch_bounds__(kThreads)
     if constexpr (kFused) {
       float sx, sy;
       fused_offset_scale(ref + l * p.ref_dim, p.ref_dim, half_p, s.lv, sx, sy);
-      write_sample_grads<A, float>(p, s, gr[0], s.w * gr[1] * sx, s.w * gr[2] * sy, group, i,
-                                   n * pb.M + m, base);
+      write_sample_grads<A, float, false>(p, s, gr[0], s.w * gr[1] * sx, s.w * gr[2] * sy, group, i,
+                                          n * pb.M + m, base);
       ag += s.w * gr[0];
     } else {
       write_grads<A, LT>(p, s, gr, group, i, n * pb.M + m, base);
@@ -711,8 +734,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       const float ag = reduce_row(live ? s.w * gr[0] : 0.f,
                                   [](float a, float b) { return a + b; });
       if (live) {
-        write_sample_grads<A, LT>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
-                                  group, i, nm, cell_base[l]);
+        write_sample_grads<A, LT, false>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
+                                         group, i, nm, cell_base[l]);
       }
     } else if (live) {
       write_grads<A, LT>(p, s, gr, group, i, nm, cell_base[l]);

@@ -1,21 +1,26 @@
 // The deterministic backward's grad_value where the samples of one (n, m,
-// level) fit one block (Lq P <= kLocalCap: the decoders): no global sort and
-// no scratch but a work counter. A block owns a tile of at most kTileH x
-// kTileW pixels of one (n, m, level). It resolves every sample of that (n, m, level) (location, weight,
-// footprint), keeps those whose footprint touches the tile, groups them by
-// cell within the tile in sample order, and walks each pixel's samples from
-// shared memory as value_grad_pixels walks the global order: the four cells
-// that have the pixel as a corner, as two runs, in cell and sample order.
+// level) fit one block (Lq P <= kLocalCap: the decoders): no global sort.
+// Every sample is resolved once, into a record (BackwardParams::local_cell,
+// local_wts): its cell within its level and its four corner weights, a (n,
+// m, level)'s records contiguous. The dots kernel writes them as it resolves
+// the samples (backward.cu); for the fused operator local_footprints does,
+// after it (its dots kernels spill with the stores). Then a block owns a
+// tile of at most kTileH x kTileW pixels of one (n, m, level): it reads the
+// cells of that (n, m, level), keeps the samples whose footprint touches the
+// tile, groups them by cell within the tile in sample order, and sums each
+// pixel's samples in value_grad_pixels' order (the four cells that have the
+// pixel as a corner, as two runs, in cell and sample order), walking down
+// pixel columns so that each run is read once for the two pixels it touches.
 // Every pixel of the map is in exactly one tile, so grad_value is written
 // completely, once, in its dtype: no fill, no accumulator, no conversion, and
-// the same bits on every run.
+// the same bits on every run. Scratch: the records (20 bytes a sample) and
+// the blocks' work counter.
 //
 // Grouping: a counting sort (shared-memory counters, a scan, a scatter), then
 // each cell's run put in sample order by insertion sort, so the order does
 // not depend on the counters' atomics. A tile with a cell of more than
-// kShortRun samples (crowded inputs) takes cub's stable block radix sort
-// instead, whose order within a cell is as fixed (the order the threads
-// hold the samples in).
+// kShortRun samples (crowded inputs) takes cub's block radix sort of (cell,
+// sample) keys instead: the same order.
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -26,23 +31,26 @@ namespace msda::cuda {
 namespace {
 
 constexpr int kLocalCap = 4096;  // samples of one (n, m, level) at most: Lq P
-constexpr int kLocalThreads = 512;
-constexpr int kLocalItems = 8;  // samples a thread holds for the sort
+constexpr int kLocalThreads = 512, kLocalBlocksPerSm = 2;  // 64 registers a thread
+constexpr int kLocalItems = kLocalCap / kLocalThreads;  // samples a thread holds for the sort
 static_assert(kLocalCap == kLocalThreads * kLocalItems, "a block's sort holds kLocalCap samples");
 constexpr int kTileH = 32, kTileW = 64;
 constexpr int kTileCells = (kTileH + 1) * (kTileW + 1);  // cells touching a tile; also "none"
-constexpr int kLocalBatch = 2;  // a pixel's entries loaded at once
+constexpr int kLocalBatch = 2;  // a run's entries loaded at once
 constexpr int kShortRun = 32;  // longest cell run the insertion sort takes
 constexpr int kScanItems = (kTileCells + 1 + kLocalThreads - 1) / kLocalThreads;  // counters a thread scans
 
-// Keys are cells of a tile (< kTileCells, or kTileCells for a sample that
-// touches none of it); values the sample's index within its (n, m, level).
-using LocalSort = cub::BlockRadixSort<uint16_t, kLocalThreads, kLocalItems, uint16_t>;
+// Keys of the crowded tiles' sort: a sample's cell of the tile (< kTileCells,
+// or `cells` for a sample that touches none of it) << 16 | its index within
+// its (n, m, level): unique, so the order is the counting sort's (cell, then
+// sample order).
+using LocalSort = cub::BlockRadixSort<uint32_t, kLocalThreads, kLocalItems>;
 using LocalScan = cub::BlockScan<uint32_t, kLocalThreads>;
 static_assert(kTileCells < 65536 && kLocalCap <= 65536, "16-bit keys and values");
 
+constexpr uint32_t kNoCell = 0xffffffffu;  // a record's cell where the sample adds nothing
+
 struct LocalSmem {
-  float4 wts[kLocalCap];  // a sample's four corner weights (times its attention weight)
   union {
     typename LocalSort::TempStorage sort;
     typename LocalScan::TempStorage scan;
@@ -55,6 +63,7 @@ struct LocalSmem {
   // `cells`: the end of the last.
   uint32_t start[kScanItems * kLocalThreads];
   Level levels[kMaxLevels];
+  FastDiv by_row[kMaxLevels];      // a level's cells a row: W + 1
   uint32_t first[kMaxLevels + 1];  // first item of each level; first[L]: the total
   int tile_h[kMaxLevels], tile_w[kMaxLevels];  // a level's tile (the last ones clipped)
   uint32_t tiles_x[kMaxLevels], tiles[kMaxLevels];
@@ -68,14 +77,59 @@ constexpr int bits_for_cells(int cells) {  // bits of every key in [0, cells]
   return b;
 }
 
+// A record per sample: its cell on its level, (h0 + 1) (W + 1) + w0 + 1
+// (kNoCell where it adds nothing: outside, poisoned), and its four corner
+// weights times its attention weight in the order (0, 2, 1, 3) (the walk
+// reads them as pairs), at ((n M + m) L + l) Lq P + q P + p: the samples of
+// a (n, m, level) contiguous, in their order: the fused operator's, after
+// its dots kernel (whose row statistics it reads). The launch keeps the
+// samples below 2^31 and S below 2^30 (so cells fit FastDiv's 31 bits).
+template <typename LT>
+__global__ void __launch_bounds__(kThreads)
+    local_footprints(const BackwardParams p, uint32_t* __restrict__ cell, float4* __restrict__ wts) {
+  const Problem& pb = p.pb;
+  __shared__ Level levels[kMaxLevels];
+  __shared__ FastDiv div[4];  // by Lq P, L, M, P: made once a block (FastDiv's set-up divides)
+  const uint32_t P = uint32_t(pb.P), L = uint32_t(pb.L), M = uint32_t(pb.M), LqP = uint32_t(pb.Lq * pb.P);
+  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
+  if (threadIdx.x >= 32 && threadIdx.x < 36) {
+    const uint32_t d[4] = {LqP, L, M, P};
+    div[threadIdx.x - 32] = FastDiv(d[threadIdx.x - 32]);
+  }
+  __syncthreads();
+  if (levels[0].poison) return;  // value_grad_local zero-fills; no record is read
+  const FastDiv by_lqp = div[0], by_l = div[1], by_m = div[2], by_p = div[3];
+  const uint32_t total = uint32_t(pb.N) * M * L * LqP;
+  // Threads in the records' order: their writes coalesce; the reads come in
+  // runs of P samples.
+  for (uint32_t o = blockIdx.x * blockDim.x + threadIdx.x; o < total; o += gridDim.x * blockDim.x) {
+    const uint32_t nml = by_lqp(o), i = o - nml * LqP;
+    const uint32_t nm = by_l(nml), l = nml - nm * L;
+    const uint32_t n = by_m(nm), m = nm - n * M;
+    const uint32_t q = by_p(i), pp = i - q * P;
+    const uint32_t nq = n * uint32_t(pb.Lq) + q, row = nq * M + m;
+    const Level& lv = levels[l];
+    float w;
+    const float* ref_row = p.ref + (int64_t(nq) * L + l) * p.ref_dim;
+    const auto b = resolve_sample<float, LT, true>(p, (int64_t(row) * L + l) * P + pp, row, ref_row, lv, w);
+    if (b.inside && !b.poisoned()) {
+      cell[o] = uint32_t(b.h0 + 1) * uint32_t(lv.W + 1) + uint32_t(b.w0 + 1);
+      wts[o] = make_float4(w * b.weight(0), w * b.weight(2), w * b.weight(1), w * b.weight(3));
+    } else {
+      cell[o] = kNoCell;
+    }
+  }
+}
+
 // Block items: (level, n m, tile), levels in order, tiles row-major, taken
 // from `counter` (zeroed before the launch) as blocks finish, so that tiles
 // of different sizes and levels balance over the SMs. A level's tiles are
 // its map cut into ceil(H / kTileH) x ceil(W / kTileW) nearly equal parts.
 // The launch keeps N M S below 2^31 and Lq P <= kLocalCap.
-template <typename T, int VEC, typename LT, bool kFused>
-__global__ void __launch_bounds__(kLocalThreads, 2)
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     value_grad_local(const BackwardParams p, T* __restrict__ grad_value, const int lanes,
+                     const uint32_t* __restrict__ cell, const float4* __restrict__ wts,
                      unsigned* __restrict__ counter) {
   using A = float;
   const Problem& pb = p.pb;
@@ -100,6 +154,7 @@ __global__ void __launch_bounds__(kLocalThreads, 2)
       sm.tile_w[l] = (lv.W + tx - 1) / tx;
       sm.tiles_x[l] = uint32_t(tx);
       sm.tiles[l] = uint32_t(tx) * uint32_t(ty);
+      sm.by_row[l] = FastDiv(uint32_t(lv.W + 1));
       sm.first[l] = first;
       first += uint32_t(pb.N * pb.M) * sm.tiles[l];
     }
@@ -130,29 +185,28 @@ __global__ void __launch_bounds__(kLocalThreads, 2)
     const int c0 = static_cast<int>(tile % sm.tiles_x[l]) * sm.tile_w[l];
     const int th = min(sm.tile_h[l], lv.H - r0), tw = min(sm.tile_w[l], lv.W - c0);
     const int cells = (th + 1) * (tw + 1);
-    // Resolve this thread's samples i = k kLocalThreads + tid (striped: the
-    // block's loads in flight together) and count them by cell.
-    uint16_t key[kLocalItems], val[kLocalItems], rank[kLocalItems];
+    // This thread's samples i = k kLocalThreads + tid (striped: the block's
+    // loads in flight together), counted by cell.
+    const int64_t base = (int64_t(nm) * pb.L + l) * LqP;
+    const uint32_t* fcell = cell + base;
+    uint32_t cl[kLocalItems];
 #pragma unroll
     for (int k = 0; k < kLocalItems; ++k) {
       const uint32_t i = uint32_t(k) * kLocalThreads + tid;
-      key[k] = static_cast<uint16_t>(cells);
-      val[k] = static_cast<uint16_t>(i);
-      rank[k] = 0;
-      if (i < LqP) {
-        const uint32_t q = by_p(i);
-        const int64_t nq = n * pb.Lq + q, row = nq * pb.M + m;
-        const int64_t id = (row * pb.L + l) * pb.P + (i - q * uint32_t(pb.P));
-        A w;
-        const float* ref_row = kFused ? p.ref + (nq * pb.L + l) * p.ref_dim : nullptr;
-        const auto b = resolve_sample<A, LT, kFused>(p, id, row, ref_row, lv, w);
+      cl[k] = i < LqP ? __ldg(fcell + i) : kNoCell;
+    }
+    uint32_t kr[kLocalItems];  // key << 16 | rank within the key's cell; key `cells`: none
+#pragma unroll
+    for (int k = 0; k < kLocalItems; ++k) {
+      kr[k] = uint32_t(cells) << 16;
+      if (cl[k] != kNoCell) {
         // Footprint rows h0, h0 + 1 and columns w0, w0 + 1 against the tile's.
-        const int a = b.h0 - r0 + 1, c = b.w0 - c0 + 1;
-        if (b.inside && !b.poisoned() && a >= 0 && a <= th && c >= 0 && c <= tw) {
-          key[k] = static_cast<uint16_t>(a * (tw + 1) + c);
-          sm.wts[i] = make_float4(w * b.weight(0), w * b.weight(1), w * b.weight(2), w * b.weight(3));
-          rank[k] = static_cast<uint16_t>(atomicAdd(&sm.start[key[k]], 1u));
-          if (rank[k] >= kShortRun) atomicOr(&sm.crowded, 1);
+        const uint32_t h = sm.by_row[l](cl[k]);
+        const int a = int(h) - r0, c = int(cl[k] - h * uint32_t(lv.W + 1)) - c0;
+        if (a >= 0 && a <= th && c >= 0 && c <= tw) {
+          const uint32_t key = uint32_t(a * (tw + 1) + c), rank = atomicAdd(&sm.start[key], 1u);
+          kr[k] = key << 16 | rank;  // rank < kLocalCap
+          if (rank >= kShortRun) atomicOr(&sm.crowded, 1);
         }
       }
     }
@@ -169,7 +223,10 @@ __global__ void __launch_bounds__(kLocalThreads, 2)
       __syncthreads();  // the scan's storage becomes ent
 #pragma unroll
       for (int k = 0; k < kLocalItems; ++k) {
-        if (key[k] < cells) sm.u.s.ent[sm.start[key[k]] + rank[k]] = val[k];
+        const uint32_t key = kr[k] >> 16;
+        if (key < uint32_t(cells)) {
+          sm.u.s.ent[sm.start[key] + (kr[k] & 0xffffu)] = static_cast<uint16_t>(k * kLocalThreads + tid);
+        }
       }
       __syncthreads();
       for (int c = tid; c < cells; c += kLocalThreads) {
@@ -182,15 +239,16 @@ __global__ void __launch_bounds__(kLocalThreads, 2)
         }
       }
     } else {
-      // Crowded: the stable radix sort (a cell's samples in the order the
-      // threads hold them: by tid, then k; fixed, though not sample order),
-      // then each cell's start by a binary search of the sorted keys.
-      LocalSort(sm.u.sort).Sort(key, val, 0, bits_for_cells(cells));
+      // Crowded: a radix sort of (cell, sample) keys (the same order), then
+      // each cell's start by a binary search of the sorted cells.
+#pragma unroll
+      for (int k = 0; k < kLocalItems; ++k) kr[k] = (kr[k] & 0xffff0000u) | uint32_t(k * kLocalThreads + tid);
+      LocalSort(sm.u.sort).Sort(kr, 0, 16 + bits_for_cells(cells));
       __syncthreads();  // the sort's storage becomes ent and keys
 #pragma unroll
       for (int k = 0; k < kLocalItems; ++k) {
-        sm.u.s.ent[tid * kLocalItems + k] = val[k];
-        sm.u.s.keys[tid * kLocalItems + k] = key[k];
+        sm.u.s.ent[tid * kLocalItems + k] = static_cast<uint16_t>(kr[k]);
+        sm.u.s.keys[tid * kLocalItems + k] = static_cast<uint16_t>(kr[k] >> 16);
       }
       __syncthreads();
       for (int c = tid; c <= cells; c += kLocalThreads) {
@@ -204,63 +262,90 @@ __global__ void __launch_bounds__(kLocalThreads, 2)
     }
     __syncthreads();
 
-    // Pixels: `lanes` threads a pixel, VEC channels a lane. Pixel (py, px) is
-    // corner 3 of cell (py, px) and 2 of (py, px + 1) in the tile's cell
-    // coordinates (the run above), 1 of (py + 1, px) and 0 of (py + 1, px + 1)
-    // (the run below). Addresses as a base and 32-bit byte strides (a query's
-    // grad_output row, a pixel's value row: M D elements, checked < 4 GiB).
+    // Pixels by columns: `lanes` threads (VEC channels each) a unit of one
+    // pixel column and a segment of rows [ya, yb). Cell (a, c) of the tile has
+    // corners 0..3 at pixels (a-1, c-1), (a-1, c), (a, c-1), (a, c), so pixel
+    // (py, px) sums cells (py, px) (corner 3) and (py, px+1) (corner 2), then
+    // cells (py+1, px) (corner 1) and (py+1, px+1) (corner 0), each cell's
+    // samples in their sorted order. The two cells of a row are one run of
+    // the sorted order (adjacent keys): walking down the column, each run is
+    // read once for two pixels, the one above (corners 1 / 0, into `cur`) and
+    // the one below (corners 3 / 2, into `nxt`, which becomes the next
+    // pixel's start). The sums' order is that of a pixel walking its four
+    // cells, so the bits do not depend on the segments. Addresses as a base
+    // and 32-bit byte strides (a query's grad_output row, a pixel's value
+    // row: M D elements, checked < 4 GiB).
     using R = typename RawVec<sizeof(T) * VEC>::type;
     const unsigned row_bytes = static_cast<unsigned>(pb.M * pb.D * sizeof(T));
     const char* gbase = reinterpret_cast<const char*>(gout + (n * pb.Lq * pb.M + m) * pb.D + ql * VEC);
     char* obase = reinterpret_cast<char*>(
         grad_value + value_row(n, lv.start + int64_t(r0) * lv.W + c0, m, pb.S, pb.M) * pb.D + ql * VEC);
-    const float* wflat = reinterpret_cast<const float*>(sm.wts);
-    const int dy = groups / tw, dx = groups - dy * tw;  // a group's step through the tile
-    int py = grp / tw, px = grp - py * tw;
-    for (; py < th; py += dy, px += dx) {
-      if (px >= tw) {
-        px -= tw;
-        if (++py >= th) break;
-      }
-      const int ka = py * (tw + 1) + px, kb = ka + tw + 1;
-      const int a0 = int(sm.start[ka]), a1 = int(sm.start[ka + 1]), a2 = int(sm.start[ka + 2]);
-      const int b0 = int(sm.start[kb]), b1 = int(sm.start[kb + 1]), b2 = int(sm.start[kb + 2]);
-      const int above = a2 - a0, count = above + (b2 - b0);
-      char* out = obase + uint64_t(static_cast<uint32_t>(py * lv.W + px)) * row_bytes;
+    // A sample's weights as pairs: (w0, w2) for the cell right of the
+    // column, (w1, w3) for the cell at it: (above, below) pixel.
+    const float2* wpair = reinterpret_cast<const float2*>(wts + base);
+    const int nseg0 = max(1, min(th, groups / tw));  // segments a column, ~ one unit a group
+    const int seg_h = (th + nseg0 - 1) / nseg0, units = ((th + seg_h - 1) / seg_h) * tw;
+    for (int unit = grp; unit < units; unit += groups) {
+      const int seg = unit / tw, px = unit - seg * tw;
+      const int ya = seg * seg_h, yb = min(th, ya + seg_h);
       for (int64_t ch = ql * VEC; ch < pb.D; ch += int64_t(lanes) * VEC) {  // VEC divides D
         const int64_t cb = (ch - ql * VEC) * int64_t(sizeof(T));
-        A acc[VEC];
+        // The run of cells (a, px), (a, px + 1): the share of the pixel above
+        // it into cur (when `above`), of the pixel below it into nxt.
+        A cur[VEC], nxt[VEC];
 #pragma unroll
-        for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-        for (int v0 = 0; v0 < count; v0 += kLocalBatch) {
-          A scale[kLocalBatch];
-          R raw[kLocalBatch];
-#pragma unroll
-          for (int u = 0; u < kLocalBatch; ++u) {
-            const int v = v0 + u;
-            scale[u] = A(0);
-            raw[u] = R{};
-            if (v < count) {
-              const bool up = v < above;
-              const int j = up ? a0 + v : b0 + (v - above);
-              const int corner = up ? (j < a1 ? 3 : 2) : (j < b1 ? 1 : 0);
-              const uint32_t i = sm.u.s.ent[j];
-              scale[u] = wflat[4 * i + corner];
-              raw[u] = __ldg(reinterpret_cast<const R*>(gbase + uint64_t(by_p(i)) * row_bytes + cb));
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kLocalBatch; ++u) {
+        for (int e = 0; e < VEC; ++e) cur[e] = nxt[e] = A(0);
+        auto walk_run = [&](const int a, const bool above) {
+          const int k = a * (tw + 1) + px;
+          const int lo = int(sm.start[k]), split = int(sm.start[k + 1]), hi = int(sm.start[k + 2]);
+          // Entry j's weights for (above, below) and grad_output row.
+          auto load = [&](const int j, float2& w, R& raw) {
+            const uint32_t i = sm.u.s.ent[j];
+            w = __ldg(wpair + 2 * i + (j < split ? 1 : 0));
+            raw = __ldg(reinterpret_cast<const R*>(gbase + uint64_t(by_p(i)) * row_bytes + cb));
+          };
+          auto add = [&](const float2& w, const R& raw) {
             A go[VEC];
-            unpack<T, VEC>(raw[u], go);
+            unpack<T, VEC>(raw, go);
+            if (above) {
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) acc[e] += scale[u] * go[e];
+              for (int e = 0; e < VEC; ++e) cur[e] += w.x * go[e];
+            }
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) nxt[e] += w.y * go[e];
+          };
+          // kLocalBatch entries' loads at once, then the rest one by one (no
+          // padding: 0 times a row that holds an infinity would be NaN).
+          int j0 = lo;
+          for (; j0 + kLocalBatch <= hi; j0 += kLocalBatch) {
+            float2 w[kLocalBatch];
+            R raw[kLocalBatch];
+#pragma unroll
+            for (int u = 0; u < kLocalBatch; ++u) load(j0 + u, w[u], raw[u]);
+#pragma unroll
+            for (int u = 0; u < kLocalBatch; ++u) add(w[u], raw[u]);
           }
+          for (; j0 < hi; ++j0) {
+            float2 w;
+            R raw;
+            load(j0, w, raw);
+            add(w, raw);
+          }
+        };
+        walk_run(ya, false);
+        for (int py = ya; py < yb; ++py) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            cur[e] = nxt[e];
+            nxt[e] = A(0);
+          }
+          walk_run(py + 1, true);
+          char* out = obase + uint64_t(static_cast<uint32_t>(py * lv.W + px)) * row_bytes;
+          store_vec<T, VEC>(reinterpret_cast<T*>(out + cb), cur);
         }
-        store_vec<T, VEC>(reinterpret_cast<T*>(out + cb), acc);
       }
     }
-    __syncthreads();  // start, ent and wts are rewritten by the next item
+    __syncthreads();  // start and ent are rewritten by the next item
   }
 }
 
@@ -284,43 +369,65 @@ struct LocalLaunch {
     } else {
       DeviceLimits d;
       if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
-      const int lanes = lanes_for(g.pb.D, VEC);
+      uint32_t* cell = static_cast<uint32_t*>(g.bw.local_cell);
+      float4* wts = static_cast<float4*>(g.bw.local_wts);
+      if (g.bw.ref != nullptr) {  // the fused dots kernels leave the records to this one
+        const int64_t items = g.pb.N * g.pb.Lq * g.pb.M * g.pb.L * g.pb.P;
+        const unsigned grid = static_cast<unsigned>(
+            std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(d.sms) * 16));
+        local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw, cell, wts);
+      }
+      if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
       constexpr size_t bytes = sizeof(LocalSmem);
-      auto go = [&](auto kernel) {
-        cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(bytes));
-        if (err != cudaSuccess) return err;
-        kernel<<<static_cast<unsigned>(d.sms) * 2, kLocalThreads, bytes, stream>>>(
-            g.bw, static_cast<T*>(g.grad_value), lanes, g.counter);
-        return cudaGetLastError();
-      };
-      return g.bw.ref != nullptr ? go(value_grad_local<T, VEC, LT, true>)
-                              : go(value_grad_local<T, VEC, LT, false>);
+      auto kernel = value_grad_local<T, VEC>;
+      if (const cudaError_t err = cudaFuncSetAttribute(
+              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+          err != cudaSuccess) {
+        return err;
+      }
+      kernel<<<static_cast<unsigned>(d.sms) * kLocalBlocksPerSm, kLocalThreads, bytes, stream>>>(
+          g.bw, static_cast<T*>(g.grad_value), lanes_for(g.pb.D, VEC), cell, wts, g.counter);
+      return cudaGetLastError();
     }
   }
 };
+
+int64_t records_offset(int64_t items) { return (4 * items + 15) / 16 * 16; }  // wts after the cells
 
 }  // namespace
 
 bool local_value_grad_ok(const BackwardParams& p) {
   const Problem& pb = p.pb;
   const int64_t elem = dtype_bytes(pb.value_dtype);
-  DeviceLimits d;  // the current device's: its blocks must hold LocalSmem (sm_75: no)
+  DeviceLimits d;  // the current device's: its blocks must hold LocalSmem
   if (device_limits(d) != cudaSuccess || d.smem_optin < int(sizeof(LocalSmem))) return false;
   return pb.value_dtype != DType::f64 && pb.loc_dtype == DType::f32 && pb.L >= 1 &&
          pb.Lq * pb.P <= kLocalCap && pb.N * pb.M * pb.S < (int64_t(1) << 31) &&
+         pb.S < (int64_t(1) << 30) && pb.N * pb.Lq * pb.M * pb.L * pb.P < (int64_t(1) << 31) &&
          pb.M * pb.D * elem <= int64_t(UINT32_MAX) &&
          pb.D % (16 / elem) == 0 && reinterpret_cast<uintptr_t>(p.grad_out) % 16 == 0;
 }
 
+int64_t local_value_grad_scratch_bytes(const BackwardParams& p) {
+  const int64_t items = p.pb.N * p.pb.Lq * p.pb.M * p.pb.L * p.pb.P;
+  return records_offset(items) + 16 * items;
+}
+
+void local_value_grad_records(BackwardParams& p, void* scratch) {
+  char* rec = static_cast<char*>(scratch);
+  p.local_cell = rec;
+  p.local_wts = rec + records_offset(p.pb.N * p.pb.Lq * p.pb.M * p.pb.L * p.pb.P);
+}
+
 cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,
                              cudaStream_t stream) {
-  if (!local_value_grad_ok(p) || reinterpret_cast<uintptr_t>(grad_value) % 16 != 0 || counter == nullptr) {
+  if (!local_value_grad_ok(p) || reinterpret_cast<uintptr_t>(grad_value) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(p.local_wts) % 16 != 0 || counter == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (p.pb.N * p.pb.S * p.pb.M * p.pb.D == 0) return cudaSuccess;
-  const LocalParams g{p.pb, static_cast<int>(16 / dtype_bytes(p.pb.value_dtype)), p, grad_value,
-                      counter};
+  if (p.local_cell == nullptr || p.local_wts == nullptr) return cudaErrorInvalidValue;
+  const LocalParams g{p.pb, static_cast<int>(16 / dtype_bytes(p.pb.value_dtype)), p, grad_value, counter};
   return launch_for_dtypes<LocalLaunch, /*kVecOfAcc=*/false, /*kVecBytes=*/16>(g, stream);
 }
 

@@ -57,10 +57,13 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   b.wide = b.cells >= int64_t(UINT32_MAX) || b.items >= int64_t(UINT32_MAX);
   if (b.items == 0) return at::zeros(in.value.sizes(), in.value.options());
   if (grad_value_path() != GradValuePath::sorted && cuda::local_value_grad_ok(p)) {
-    // Block-local: the dots kernel writes no keys; the only scratch is the
-    // blocks' work counter.
+    // Block-local: the dots kernel writes each sample's record (20 bytes)
+    // instead of a key; the other scratch is the blocks' work counter.
     p.grad_value_acc = nullptr;
     p.cell_keys = nullptr;
+    at::Tensor records = at::empty({cuda::local_value_grad_scratch_bytes(p)},
+                                   in.value.options().dtype(at::kByte));
+    cuda::local_value_grad_records(p, records.data_ptr());
     C10_CUDA_CHECK(cuda::backward(p, stream));
     at::Tensor grad_value = new_output(in.value.sizes(), in.value.options());
     at::Tensor counter = at::zeros({1}, in.value.options().dtype(at::kInt));

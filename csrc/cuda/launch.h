@@ -62,12 +62,19 @@ bool sorted_backward_preferred(const BackwardParams& p);
 // grad_value of the deterministic backward where the samples of one (n, m,
 // level) fit one block (backward_local.cu): Lq P <= 4096, fp32 locations,
 // 16-bit or fp32 values with D a multiple of 16 bytes, 16-byte aligned
-// grad_output, N M S < 2^31, and a current device whose blocks may opt in
-// to ~95 KB of shared memory (sm_80 and later). After backward() (cell_keys null) it writes all
-// of grad_value (N, S, M, D, value's dtype, 16-byte aligned), the same bits
-// on every run. Scratch: `counter`, one unsigned zeroed before the call (the
-// blocks take their work from it).
+// grad_output, N M S < 2^31, S < 2^30, fewer than 2^31 samples, and a
+// current device whose blocks may opt in to the kernel's shared memory.
+// Scratch: the samples' records (BackwardParams::local_cell, local_wts; 20
+// bytes a sample), local_value_grad_scratch_bytes() long and 16-byte aligned,
+// which local_value_grad_records() points p at before backward() (cell_keys
+// null): the dots kernels write them (the fused operator's are written by
+// local_value_grad), and `counter`, one unsigned zeroed before the call (the
+// blocks take their work from it). local_value_grad then writes all of
+// grad_value (N, S, M, D, value's dtype, 16-byte aligned), the same bits on
+// every run.
 bool local_value_grad_ok(const BackwardParams& p);
+int64_t local_value_grad_scratch_bytes(const BackwardParams& p);
+void local_value_grad_records(BackwardParams& p, void* scratch);
 cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,
                              cudaStream_t stream);
 
