@@ -13,8 +13,8 @@ namespace msda::cuda {
 // grad_value by sort and gather: bitwise the same on every run. p is the
 // backward's params with everything but grad_value set. Where the samples of
 // one (n, m, level) fit a block (local_value_grad_ok) the block-local kernel
-// (backward_local.cu) serves it without scratch, else the global sort
-// (backward_deterministic.cu).
+// (backward_local.cu) serves it with a 20-byte record a sample, else the
+// global sort (backward_deterministic.cu).
 at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaStream_t stream);
 
 // The grad_value path the environment asks for, MS_DEFORM_ATTN_GRAD_VALUE
