@@ -4,9 +4,8 @@ block's sort (at most 4096). A block owns a 32 x 64-pixel tile; these cases
 walk its edges: levels of several tiles and a pixel over, 1 x 1 levels, every
 sample in one cell, the cap exactly and one query over it (the global sort
 then), non-finite samples and grad_output, several channel passes, the fused
-operator. Each
-against float64, bitwise against a repeat, and within tolerance of the
-global sort's result."""
+operator. Each against float64, bitwise against a repeat, and within
+tolerance of the global sort's result."""
 import pytest
 import torch
 
