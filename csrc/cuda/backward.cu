@@ -162,15 +162,9 @@ __device__ __forceinline__ void write_local_record(const BackwardParams& p, cons
   const uint32_t M = uint32_t(p.pb.M), Lq = uint32_t(p.pb.Lq), P = uint32_t(p.pb.P);
   const uint32_t n = uint32_t(nm) / M, q = uint32_t(group) / M - n * Lq, l = uint32_t(i) / P;
   const uint32_t o = (uint32_t(nm) * uint32_t(p.pb.L) + l) * (Lq * P) + q * P + (uint32_t(i) - l * P);
-  if (s.b.inside && !s.b.poisoned()) {
-    const float w = float(s.w);
-    static_cast<uint32_t*>(p.local_cell)[o] =
-        uint32_t(s.b.h0 + 1) * uint32_t(s.lv.W + 1) + uint32_t(s.b.w0 + 1);
-    static_cast<float4*>(p.local_wts)[o] = make_float4(w * float(s.b.weight(0)), w * float(s.b.weight(2)),
-                                                       w * float(s.b.weight(1)), w * float(s.b.weight(3)));
-  } else {
-    static_cast<uint32_t*>(p.local_cell)[o] = 0xffffffffu;
-  }
+  const uint32_t cell = local_cell_of(s.b, s.lv.W);
+  static_cast<uint32_t*>(p.local_cell)[o] = cell;
+  if (cell != kNoCell) store_record_weights<A>(static_cast<A*>(p.local_wts) + 4 * int64_t(o), s.b, s.w);
 }
 
 // Writes the attention weight and location gradients of sample i of group

@@ -152,11 +152,7 @@ __device__ bool load_gather_tables(const BackwardParams& p, GatherTables<I>& t, 
   const Problem& pb = p.pb;
   load_levels_and_cells(t.levels, t.cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, true);
   if (t.levels[0].poison) {
-    const int64_t total = pb.N * pb.S * pb.M * pb.D;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-         i += int64_t(gridDim.x) * blockDim.x) {
-      grad_value[i] = from_acc<T>(acc_t<T>(0));
-    }
+    zero_grad_value(pb, grad_value);
     return false;
   }
   if (threadIdx.x == 0) {

@@ -48,8 +48,6 @@ using LocalSort = cub::BlockRadixSort<uint32_t, kLocalThreads, kLocalItems>;
 using LocalScan = cub::BlockScan<uint32_t, kLocalThreads>;
 static_assert(kTileCells < 65536 && kLocalCap <= 65536, "16-bit keys and values");
 
-constexpr uint32_t kNoCell = 0xffffffffu;  // a record's cell where the sample adds nothing
-
 struct LocalSmem {
   union {
     typename LocalSort::TempStorage sort;
@@ -77,16 +75,13 @@ constexpr int bits_for_cells(int cells) {  // bits of every key in [0, cells]
   return b;
 }
 
-// A record per sample: its cell on its level, (h0 + 1) (W + 1) + w0 + 1
-// (kNoCell where it adds nothing: outside, poisoned), and its four corner
-// weights times its attention weight in the order (0, 2, 1, 3) (the walk
-// reads them as pairs), at ((n M + m) L + l) Lq P + q P + p: the samples of
-// a (n, m, level) contiguous, in their order: the fused operator's, after
-// its dots kernel (whose row statistics it reads). The launch keeps the
-// samples below 2^31 and S below 2^30 (so cells fit FastDiv's 31 bits).
+// A record per sample (common.cuh: local_cell_of, store_record_weights) at
+// ((n M + m) L + l) Lq P + q P + p: the samples of a (n, m, level)
+// contiguous, in their order: the fused operator's, after its dots kernel
+// (whose row statistics it reads). The launch keeps the samples below 2^31
+// and S below 2^30 (so cells fit FastDiv's 31 bits).
 template <typename LT>
-__global__ void __launch_bounds__(kThreads)
-    local_footprints(const BackwardParams p, uint32_t* __restrict__ cell, float4* __restrict__ wts) {
+__global__ void __launch_bounds__(kThreads) local_footprints(const BackwardParams p) {
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
   __shared__ FastDiv div[4];  // by Lq P, L, M, P: made once a block (FastDiv's set-up divides)
@@ -112,12 +107,9 @@ __global__ void __launch_bounds__(kThreads)
     float w;
     const float* ref_row = p.ref + (int64_t(nq) * L + l) * p.ref_dim;
     const auto b = resolve_sample<float, LT, true>(p, (int64_t(row) * L + l) * P + pp, row, ref_row, lv, w);
-    if (b.inside && !b.poisoned()) {
-      cell[o] = uint32_t(b.h0 + 1) * uint32_t(lv.W + 1) + uint32_t(b.w0 + 1);
-      wts[o] = make_float4(w * b.weight(0), w * b.weight(2), w * b.weight(1), w * b.weight(3));
-    } else {
-      cell[o] = kNoCell;
-    }
+    const uint32_t c = local_cell_of(b, lv.W);
+    static_cast<uint32_t*>(p.local_cell)[o] = c;
+    if (c != kNoCell) store_record_weights<float>(static_cast<float*>(p.local_wts) + 4 * int64_t(o), b, w);
   }
 }
 
@@ -137,12 +129,8 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
   LocalSmem& sm = *reinterpret_cast<LocalSmem*>(smem_raw);
   load_levels(sm.levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
-  if (sm.levels[0].poison) {  // an inconsistent level table: every sample poisoned, adding nothing
-    const int64_t total = pb.N * pb.S * pb.M * pb.D;
-    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-         i += int64_t(gridDim.x) * blockDim.x) {
-      grad_value[i] = from_acc<T>(A(0));
-    }
+  if (sm.levels[0].poison) {
+    zero_grad_value(pb, grad_value);
     return;
   }
   if (threadIdx.x == 0) {
@@ -375,7 +363,7 @@ struct LocalLaunch {
         const int64_t items = g.pb.N * g.pb.Lq * g.pb.M * g.pb.L * g.pb.P;
         const unsigned grid = static_cast<unsigned>(
             std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(d.sms) * 16));
-        local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw, cell, wts);
+        local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw);
       }
       if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
       constexpr size_t bytes = sizeof(LocalSmem);

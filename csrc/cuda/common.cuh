@@ -339,6 +339,44 @@ __device__ __forceinline__ uint64_t cell_key(int64_t nm, int64_t cell_stride, in
   return uint64_t(nm * cell_stride + level_base + int64_t(h0 + 1) * (W + 1) + (w0 + 1));
 }
 
+// grad_value zeroed by the whole grid: what the gathers write when the level
+// table on the device is inconsistent (load_levels' poison), since no sample
+// adds anything then.
+template <typename T>
+__device__ __forceinline__ void zero_grad_value(const Problem& pb, T* grad_value) {
+  const int64_t total = pb.N * pb.S * pb.M * pb.D;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    grad_value[i] = from_acc<T>(acc_t<T>(0));
+  }
+}
+
+// ---- block-local records --------------------------------------------------
+// The dots kernels (or local_footprints) resolve every sample once and leave
+// what the block-local grad_value needs of it (BackwardParams::local_cell,
+// local_wts): its cell on its level (local_cell_of) and its four corner
+// weights times its attention weight in the order (0, 2, 1, 3), the left
+// column's corners 0 and 2, then the right's 1 and 3, which the column walk
+// reads as pairs (store_record_weights).
+template <typename A>
+__device__ __forceinline__ void store_record_weights(A* dst, const Bilinear<A>& b, A w) {
+  if constexpr (std::is_same_v<A, float>) {
+    *reinterpret_cast<float4*>(dst) =
+        make_float4(w * b.weight(0), w * b.weight(2), w * b.weight(1), w * b.weight(3));
+  } else {
+    reinterpret_cast<double2*>(dst)[0] = make_double2(w * b.weight(0), w * b.weight(2));
+    reinterpret_cast<double2*>(dst)[1] = make_double2(w * b.weight(1), w * b.weight(3));
+  }
+}
+
+// The block-local record's cell: (h0 + 1) (W + 1) + w0 + 1 on the sample's
+// level, kNoCell where the sample adds nothing (off the map, poisoned).
+constexpr uint32_t kNoCell = 0xffffffffu;
+template <typename A>
+__device__ __forceinline__ uint32_t local_cell_of(const Bilinear<A>& b, int W) {
+  return b.inside && !b.poisoned() ? uint32_t(b.h0 + 1) * uint32_t(W + 1) + uint32_t(b.w0 + 1) : kNoCell;
+}
+
 // ---- work decomposition ----------------------------------------------------
 // A (n, q, m) group is served by `lanes` consecutive threads (a power of two
 // <= 32, so a group never straddles a warp); lane j owns channels
