@@ -82,6 +82,28 @@ def test_local_grad_value_nonfinite_grad_output(monkeypatch, dtype):
     assert rel_err(got[fin], ref[fin]) <= (3e-3 if dtype == torch.bfloat16 else TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_local_grad_value_16_bit_locations(monkeypatch, dtype):
+    """Locations and weights in the values' 16-bit dtype (a model run in
+    half precision) take the block-local kernel too: against float64, and
+    bitwise the same on a repeat."""
+    inputs = make_inputs(2, 300, 8, 32, [(40, 40), (20, 20), (10, 10)], 4, dtype, dtype,
+                         device="cuda", seed=6)
+    inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+    grad = torch.randn(2, 300, 8 * 32, dtype=dtype, device="cuda")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got = grads(monkeypatch, "local", inputs, grad)
+        torch.cuda.synchronize()
+    assert any("value_grad_local" in e.key for e in prof.key_averages())
+    ref = reference64_grads(*inputs, grad)
+    tol = 3e-3 if dtype == torch.bfloat16 else TOL[dtype]
+    for name, g, r, t in zip(("value", "locations", "weights"), got, ref, (tol, TOL[dtype], TOL[dtype])):
+        assert rel_err(g, r) <= t, name
+    again = grads(monkeypatch, "local", inputs, grad)
+    for a, b in zip(got, again):
+        assert torch.equal(bits(a), bits(b))
+
+
 def test_local_is_the_16_bit_decoders_default(monkeypatch):
     """A decoder-sized problem's default backward with 16-bit values is the
     block-local one (measured faster there than the atomics; fp32 keeps the
@@ -100,11 +122,17 @@ def test_local_is_the_16_bit_decoders_default(monkeypatch):
 
 
 @pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_local_grad_value_fused(monkeypatch, boxes, dtype):
+@pytest.mark.parametrize("dtype,off_dtype", [(torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16),
+                                             (torch.float16, torch.float16)],
+                         ids=["float32", "bfloat16", "bfloat16-offsets", "float16-offsets"])
+def test_local_grad_value_fused(monkeypatch, boxes, dtype, off_dtype):
     """The fused operator's backward on the block-local path (locations and
     weights formed from offsets, logits and the row statistics) against the
-    global sort's, and repeatable bit for bit."""
+    global sort's, and repeatable bit for bit; with offsets and logits in
+    fp32 or, as the layers give them under autocast, in the values' 16-bit
+    dtype (the block-local kernel then runs too)."""
     torch.manual_seed(4)
     n, lq, m, d, p = 2, 200, 4, 32, 4
     shapes = [(40, 70), (20, 35), (10, 18)]
@@ -113,8 +141,8 @@ def test_local_grad_value_fused(monkeypatch, boxes, dtype):
     s = sum(h * w for h, w in shapes)
     value = torch.randn(n, s, m, d, device="cuda", dtype=dtype, requires_grad=True)
     ref = torch.rand(n, lq, len(shapes), 4 if boxes else 2, device="cuda")
-    off = (4 * torch.randn(n, lq, m, len(shapes), p, 2, device="cuda")).requires_grad_()
-    logits = torch.randn(n, lq, m, len(shapes) * p, device="cuda", requires_grad=True)
+    off = (4 * torch.randn(n, lq, m, len(shapes), p, 2, device="cuda")).to(off_dtype).requires_grad_()
+    logits = torch.randn(n, lq, m, len(shapes) * p, device="cuda").to(off_dtype).requires_grad_()
     grad = torch.randn(n, lq, m * d, device="cuda", dtype=dtype)
 
     def fused_grads(path):
@@ -123,9 +151,14 @@ def test_local_grad_value_fused(monkeypatch, boxes, dtype):
                                         spatial_shapes_list=shapes)
         return torch.autograd.grad(out, (value, off, logits), grad)
 
-    local, again, sorted_ = fused_grads("local"), fused_grads("local"), fused_grads("sorted")
+    local, sorted_ = fused_grads("local"), fused_grads("sorted")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        again = fused_grads("local")
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert any("value_grad_local" in k for k in names), names
     for a, b in zip(local, again):
         assert torch.equal(a, b)
-    tol = 3e-3 if dtype == torch.bfloat16 else TOL[dtype]
+    tol = 3e-3 if torch.bfloat16 in (dtype, off_dtype) else TOL[dtype]
     for name, a, b in zip(("value", "offsets", "logits"), local, sorted_):
         assert rel_err(a, b.double()) <= tol, name

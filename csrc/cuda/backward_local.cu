@@ -349,10 +349,11 @@ struct LocalParams {
 template <typename T, typename LT, int VEC>
 struct LocalLaunch {
   static cudaError_t run(const LocalParams& g, cudaStream_t stream) {
-    // Instantiated only for what local_value_grad_ok admits: fp32 locations,
-    // 16-bit or fp32 values, 16-byte vectors.
-    if constexpr (std::is_same_v<T, double> || !std::is_same_v<LT, float> ||
-                  VEC * sizeof(T) != 16) {
+    // Instantiated only for what local_value_grad_ok admits: 16-bit or fp32
+    // values, 16-byte vectors, locations in fp32 or the values' dtype (the
+    // fused operator's offsets and logits under autocast; only
+    // local_footprints reads them).
+    if constexpr (std::is_same_v<T, double> || VEC * sizeof(T) != 16) {
       return cudaErrorInvalidValue;
     } else {
       DeviceLimits d;
@@ -389,7 +390,7 @@ bool local_value_grad_ok(const BackwardParams& p) {
   const int64_t elem = dtype_bytes(pb.value_dtype);
   DeviceLimits d;  // the current device's: its blocks must hold LocalSmem
   if (device_limits(d) != cudaSuccess || d.smem_optin < int(sizeof(LocalSmem))) return false;
-  return pb.value_dtype != DType::f64 && pb.loc_dtype == DType::f32 && pb.L >= 1 &&
+  return pb.value_dtype != DType::f64 && pb.L >= 1 &&
          pb.Lq * pb.P <= kLocalCap && pb.N * pb.M * pb.S < (int64_t(1) << 31) &&
          pb.S < (int64_t(1) << 30) && pb.N * pb.Lq * pb.M * pb.L * pb.P < (int64_t(1) << 31) &&
          pb.M * pb.D * elem <= int64_t(UINT32_MAX) &&

@@ -60,10 +60,11 @@ bool dots_mma_ok(const BackwardParams& p);
 bool sorted_backward_preferred(const BackwardParams& p);
 
 // grad_value of the deterministic backward where the samples of one (n, m,
-// level) fit one block (backward_local.cu): Lq P <= 4096, fp32 locations,
-// 16-bit or fp32 values with D a multiple of 16 bytes, 16-byte aligned
-// grad_output, N M S < 2^31, S < 2^30, fewer than 2^31 samples, and a
-// current device whose blocks may opt in to the kernel's shared memory.
+// level) fit one block (backward_local.cu): Lq P <= 4096, 16-bit or fp32
+// values (locations in fp32 or their dtype) with D a multiple of 16 bytes,
+// 16-byte aligned grad_output, N M S < 2^31, S < 2^30, fewer than 2^31
+// samples, and a current device whose blocks may opt in to the kernel's
+// shared memory.
 // Scratch: the samples' records (BackwardParams::local_cell, local_wts; 20
 // bytes a sample), local_value_grad_scratch_bytes() long and 16-byte aligned,
 // which local_value_grad_records() points p at before backward() (cell_keys
