@@ -24,6 +24,21 @@ def grads(monkeypatch, path, inputs, grad):
     return torch.autograd.grad(out, (value, loc, attn), grad)
 
 
+def local_checked(monkeypatch, inputs, grad, dtype):
+    """The block-local path's gradients of `inputs`, checked against float64
+    (grad_value to 3e-3 in bf16: its output's rounding alone is ~1e-3, as the
+    tiles') and bitwise against a repeat; with the tolerance used."""
+    got = grads(monkeypatch, "local", inputs, grad)
+    ref = reference64_grads(*inputs, grad)
+    tol = 3e-3 if dtype == torch.bfloat16 else TOL[dtype]
+    for name, g, r, t in zip(("value", "locations", "weights"), got, ref, (tol, TOL[dtype], TOL[dtype])):
+        assert rel_err(g, r) <= t, name
+    again = grads(monkeypatch, "local", inputs, grad)
+    for a, b in zip(got, again):
+        assert torch.equal(bits(a), bits(b))
+    return got, tol
+
+
 CASES = [
     # n, lq, m, d, level shapes, p
     pytest.param(2, 300, 8, 32, [(80, 80), (40, 40), (20, 20)], 4, id="rtdetr-like"),
@@ -48,15 +63,7 @@ def test_local_grad_value(monkeypatch, n, lq, m, d, shapes, p, dtype, crowd):
     inputs = (value, shapes_t, start, *(t.detach().requires_grad_() for t in (loc, attn)))
     inputs = (inputs[0].detach().requires_grad_(),) + inputs[1:]
     grad = torch.randn(n, lq, m * d, dtype=dtype, device="cuda")
-    got = grads(monkeypatch, "local", inputs, grad)
-    ref = reference64_grads(*inputs, grad)
-    # grad_value: bf16's rounding of the output alone is ~1e-3 (as the tiles').
-    tol = 3e-3 if dtype == torch.bfloat16 else TOL[dtype]
-    for name, g, r, t in zip(("value", "locations", "weights"), got, ref, (tol, TOL[dtype], TOL[dtype])):
-        assert rel_err(g, r) <= t, name
-    again = grads(monkeypatch, "local", inputs, grad)
-    for a, b in zip(got, again):
-        assert torch.equal(bits(a), bits(b))
+    got, tol = local_checked(monkeypatch, inputs, grad, dtype)
     sorted_ = grads(monkeypatch, "sorted", inputs, grad)
     assert rel_err(got[0], sorted_[0].double()) <= tol
 
@@ -92,16 +99,9 @@ def test_local_grad_value_16_bit_locations(monkeypatch, dtype):
     inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
     grad = torch.randn(2, 300, 8 * 32, dtype=dtype, device="cuda")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        got = grads(monkeypatch, "local", inputs, grad)
+        local_checked(monkeypatch, inputs, grad, dtype)
         torch.cuda.synchronize()
     assert any("value_grad_local" in e.key for e in prof.key_averages())
-    ref = reference64_grads(*inputs, grad)
-    tol = 3e-3 if dtype == torch.bfloat16 else TOL[dtype]
-    for name, g, r, t in zip(("value", "locations", "weights"), got, ref, (tol, TOL[dtype], TOL[dtype])):
-        assert rel_err(g, r) <= t, name
-    again = grads(monkeypatch, "local", inputs, grad)
-    for a, b in zip(got, again):
-        assert torch.equal(bits(a), bits(b))
 
 
 def test_local_is_the_16_bit_decoders_default(monkeypatch):
