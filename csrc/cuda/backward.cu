@@ -153,15 +153,19 @@ __device__ __forceinline__ void sample_grads(const BackwardSample<A>& s, const A
   }
 }
 
-// The block-local grad_value's record of sample i of group (n, q, m) (nm =
-// n M + m; see BackwardParams::local_cell): 32-bit indices, the launch keeps
-// the samples below 2^31 and A float.
-template <typename A>
-__device__ __forceinline__ void write_local_record(const BackwardParams& p, const BackwardSample<A>& s,
-                                                   int64_t group, int i, int64_t nm) {
+// The block-local record index of sample i of group (n, q, m) (nm = n M +
+// m; see BackwardParams::local_cell) and its record written there: 32-bit
+// indices, the launch keeps the samples below 2^31 and A float.
+__device__ __forceinline__ uint32_t local_record_index(const BackwardParams& p, int64_t group, int i,
+                                                      int64_t nm) {
   const uint32_t M = uint32_t(p.pb.M), Lq = uint32_t(p.pb.Lq), P = uint32_t(p.pb.P);
   const uint32_t n = uint32_t(nm) / M, q = uint32_t(group) / M - n * Lq, l = uint32_t(i) / P;
-  const uint32_t o = (uint32_t(nm) * uint32_t(p.pb.L) + l) * (Lq * P) + q * P + (uint32_t(i) - l * P);
+  return (uint32_t(nm) * uint32_t(p.pb.L) + l) * (Lq * P) + q * P + (uint32_t(i) - l * P);
+}
+
+template <typename A>
+__device__ __forceinline__ void write_local_record(const BackwardParams& p, const BackwardSample<A>& s,
+                                                   uint32_t o) {
   const uint32_t cell = local_cell_of(s.b, s.lv.W);
   static_cast<uint32_t*>(p.local_cell)[o] = cell;
   if (cell != kNoCell) store_record_weights<A>(static_cast<A*>(p.local_wts) + 4 * int64_t(o), s.b, s.w);
@@ -170,19 +174,27 @@ __device__ __forceinline__ void write_local_record(const BackwardParams& p, cons
 // Writes the attention weight and location gradients of sample i of group
 // `group` (g summed over the group) and, on the deterministic path, its cell
 // key (nm = n M + m of the group (n, q, m), level_base = its level's first
-// cell).
+// cell) or its block-local record (unless !kRecord: the fused FFMA kernel
+// leaves them to local_footprints), at record() where given (the caller's
+// cheaper index arithmetic), else at local_record_index().
 // The same with the three values given: the weight's (or logit's) gradient
 // ga and the location's (or offset's) (gx, gy).
-template <typename A, typename LT, bool kRecord = true>
+template <typename A, typename LT, bool kRecord = true, typename Record = std::nullptr_t>
 __device__ __forceinline__ void write_sample_grads(const BackwardParams& p, const BackwardSample<A>& s,
                                                    A ga, A gx, A gy, int64_t group, int i, int64_t nm,
-                                                   int64_t level_base) {
+                                                   int64_t level_base, const Record& record = nullptr) {
   const int64_t sample = group * p.pb.L * p.pb.P + i;
   if (p.cell_keys != nullptr) {
     write_key(p, sample, s.b.inside && !s.b.poisoned(), nm, level_base, s.b, s.lv.W);
   }
-  if constexpr (kRecord) {  // the fused kernels leave the records to local_footprints
-    if (p.local_cell != nullptr) write_local_record(p, s, group, i, nm);
+  if constexpr (kRecord) {
+    if (p.local_cell != nullptr) {
+      if constexpr (std::is_same_v<Record, std::nullptr_t>) {
+        write_local_record(p, s, local_record_index(p, group, i, nm));
+      } else {
+        write_local_record(p, s, record());
+      }
+    }
   }
   static_cast<LT*>(p.grad_attn)[sample] = from_acc<LT>(acc_t<LT>(ga));
   LT* gloc = static_cast<LT*>(p.grad_loc) + sample * 2;
@@ -728,8 +740,14 @@ __global__ void __launch_bounds__(kThreads, 4)
       const float ag = reduce_row(live ? s.w * gr[0] : 0.f,
                                   [](float a, float b) { return a + b; });
       if (live) {
-        write_sample_grads<A, LT, false>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
-                                         group, i, nm, cell_base[l]);
+        // Its block-local record index (BackwardParams), from the group's n.
+        const auto record = [&] {
+          const uint32_t q = by_m(g32) - n * static_cast<uint32_t>(pb.Lq);
+          return (uint32_t(nm) * uint32_t(pb.L) + uint32_t(l)) * uint32_t(pb.Lq * pb.P) + q * uint32_t(pb.P) +
+                 uint32_t(pt);
+        };
+        write_sample_grads<A, LT, true>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
+                                        group, i, nm, cell_base[l], record);
       }
     } else if (live) {
       write_grads<A, LT>(p, s, gr, group, i, nm, cell_base[l]);

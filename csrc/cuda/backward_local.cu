@@ -3,8 +3,8 @@
 // Every sample is resolved once, into a record (BackwardParams::local_cell,
 // local_wts): its cell within its level and its four corner weights, a (n,
 // m, level)'s records contiguous. The dots kernel writes them as it resolves
-// the samples (backward.cu); for the fused operator local_footprints does,
-// after it (its dots kernels spill with the stores). Then a block owns a
+// the samples (backward.cu); for the fused operator's FFMA kernel (fp32
+// values) local_footprints does, after it. Then a block owns a
 // tile of at most kTileH x kTileW pixels of one (n, m, level): it reads the
 // cells of that (n, m, level), keeps the samples whose footprint touches the
 // tile, groups them by cell within the tile in sample order, and sums each
@@ -77,7 +77,8 @@ constexpr int bits_for_cells(int cells) {  // bits of every key in [0, cells]
 
 // A record per sample (common.cuh: local_cell_of, store_record_weights) at
 // ((n M + m) L + l) Lq P + q P + p: the samples of a (n, m, level)
-// contiguous, in their order: the fused operator's, after its dots kernel
+// contiguous, in their order: the fused operator's where its FFMA kernel ran
+// (fp32 values, or 16-bit ones without the tensor-core dots), after it
 // (whose row statistics it reads). The launch keeps the samples below 2^31
 // and S below 2^30 (so cells fit FastDiv's 31 bits).
 template <typename LT>
@@ -360,7 +361,11 @@ struct LocalLaunch {
       if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
       uint32_t* cell = static_cast<uint32_t*>(g.bw.local_cell);
       float4* wts = static_cast<float4*>(g.bw.local_wts);
-      if (g.bw.ref != nullptr) {  // the fused dots kernels leave the records to this one
+      // The fused operator's records: written by its tensor-core dots kernel
+      // (16-bit values where dots_mma_ok, as DotsLaunch decides), else
+      // (backward_kernel) here.
+      constexpr bool k16 = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
+      if (g.bw.ref != nullptr && !(k16 && dots_mma_ok(g.bw))) {
         const int64_t items = g.pb.N * g.pb.Lq * g.pb.M * g.pb.L * g.pb.P;
         const unsigned grid = static_cast<unsigned>(
             std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(d.sms) * 16));
