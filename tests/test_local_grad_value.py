@@ -1,6 +1,7 @@
 """The sorted backward's block-local grad_value (csrc/cuda/backward_local.cu):
 the decoders' path, where the Lq P samples of one (n, m, level) fit one
-block's sort (at most 4096). A block owns a 32 x 64-pixel tile; these cases
+block's sort (at most 8192; up to 4096 the kernel holds 8 a thread, above
+16). A block owns a 32 x 64-pixel tile; these cases
 walk its edges: levels of several tiles and a pixel over, 1 x 1 levels, every
 sample in one cell, the cap exactly and one query over it (the global sort
 then), non-finite samples and grad_output, several channel passes, the fused
@@ -44,8 +45,10 @@ CASES = [
     pytest.param(2, 300, 8, 32, [(80, 80), (40, 40), (20, 20)], 4, id="rtdetr-like"),
     pytest.param(2, 50, 3, 64, [(33, 65), (1, 1), (2, 130), (64, 1)], 3, id="tile-edges"),
     pytest.param(1, 7, 1, 128, [(4, 4)], 2, id="d128"),
-    pytest.param(1, 1024, 2, 32, [(5, 7), (3, 3)], 4, id="at-cap"),
-    pytest.param(1, 1025, 2, 32, [(5, 7)], 4, id="over-cap"),
+    pytest.param(1, 1024, 2, 32, [(5, 7), (3, 3)], 4, id="at-cap-4096"),
+    pytest.param(1, 1100, 2, 32, [(40, 70), (5, 7)], 4, id="dino-denoising"),
+    pytest.param(1, 2048, 2, 32, [(5, 7)], 4, id="at-cap"),
+    pytest.param(1, 2049, 2, 32, [(5, 7)], 4, id="over-cap"),
 ]
 
 

@@ -1,5 +1,6 @@
 // The deterministic backward's grad_value where the samples of one (n, m,
-// level) fit one block (Lq P <= kLocalCap: the decoders): no global sort.
+// level) fit one block (Lq P <= kLocalCap, 8192: the decoders, with DINO's
+// denoising queries too): no global sort.
 // Every sample is resolved once, into a record (BackwardParams::local_cell,
 // local_wts): its cell within its level and its four corner weights, a (n,
 // m, level)'s records contiguous. The dots kernel writes them as it resolves
@@ -30,10 +31,14 @@
 namespace msda::cuda {
 namespace {
 
-constexpr int kLocalCap = 4096;  // samples of one (n, m, level) at most: Lq P
+// Samples of one (n, m, level) at most (Lq P): a block's sort holds kCap, 4096
+// (the decoders: 8 a thread) or, for the Lq P up to 8192 that DINO's
+// denoising queries give, 8192 (16 a thread; it spills, but the global sort
+// it replaces is slower still).
+constexpr int kLocalCapSmall = 4096, kLocalCap = 8192;
 constexpr int kLocalThreads = 512, kLocalBlocksPerSm = 2;  // 64 registers a thread
-constexpr int kLocalItems = kLocalCap / kLocalThreads;  // samples a thread holds for the sort
-static_assert(kLocalCap == kLocalThreads * kLocalItems, "a block's sort holds kLocalCap samples");
+static_assert(kLocalCapSmall % kLocalThreads == 0 && kLocalCap % kLocalThreads == 0,
+              "a block's sort holds kCap samples");
 constexpr int kTileH = 32, kTileW = 64;
 constexpr int kTileCells = (kTileH + 1) * (kTileW + 1);  // cells touching a tile; also "none"
 constexpr int kLocalBatch = 2;  // a run's entries loaded at once
@@ -44,17 +49,19 @@ constexpr int kScanItems = (kTileCells + 1 + kLocalThreads - 1) / kLocalThreads;
 // or `cells` for a sample that touches none of it) << 16 | its index within
 // its (n, m, level): unique, so the order is the counting sort's (cell, then
 // sample order).
-using LocalSort = cub::BlockRadixSort<uint32_t, kLocalThreads, kLocalItems>;
+template <int kCap>
+using LocalSort = cub::BlockRadixSort<uint32_t, kLocalThreads, kCap / kLocalThreads>;
 using LocalScan = cub::BlockScan<uint32_t, kLocalThreads>;
 static_assert(kTileCells < 65536 && kLocalCap <= 65536, "16-bit keys and values");
 
+template <int kCap>
 struct LocalSmem {
   union {
-    typename LocalSort::TempStorage sort;
+    typename LocalSort<kCap>::TempStorage sort;
     typename LocalScan::TempStorage scan;
     struct {
-      uint16_t ent[kLocalCap];   // sorted position -> sample index
-      uint16_t keys[kLocalCap];  // sorted position -> key (radix-sorted tiles)
+      uint16_t ent[kCap];   // sorted position -> sample index
+      uint16_t keys[kCap];  // sorted position -> key (radix-sorted tiles)
     } s;
   } u;
   // A cell's samples, then (exclusive scan) its first sorted position; entry
@@ -118,8 +125,8 @@ __global__ void __launch_bounds__(kThreads) local_footprints(const BackwardParam
 // from `counter` (zeroed before the launch) as blocks finish, so that tiles
 // of different sizes and levels balance over the SMs. A level's tiles are
 // its map cut into ceil(H / kTileH) x ceil(W / kTileW) nearly equal parts.
-// The launch keeps N M S below 2^31 and Lq P <= kLocalCap.
-template <typename T, int VEC>
+// The launch keeps N M S below 2^31 and Lq P <= kCap.
+template <typename T, int VEC, int kCap>
 __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     value_grad_local(const BackwardParams p, T* __restrict__ grad_value, const int lanes,
                      const uint32_t* __restrict__ cell, const float4* __restrict__ wts,
@@ -127,7 +134,8 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
   using A = float;
   const Problem& pb = p.pb;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  LocalSmem& sm = *reinterpret_cast<LocalSmem*>(smem_raw);
+  constexpr int kLocalItems = kCap / kLocalThreads;  // samples a thread holds for the sort
+  LocalSmem<kCap>& sm = *reinterpret_cast<LocalSmem<kCap>*>(smem_raw);
   load_levels(sm.levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
   if (sm.levels[0].poison) {
@@ -194,7 +202,7 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
         const int a = int(h) - r0, c = int(cl[k] - h * uint32_t(lv.W + 1)) - c0;
         if (a >= 0 && a <= th && c >= 0 && c <= tw) {
           const uint32_t key = uint32_t(a * (tw + 1) + c), rank = atomicAdd(&sm.start[key], 1u);
-          kr[k] = key << 16 | rank;  // rank < kLocalCap
+          kr[k] = key << 16 | rank;  // rank < kCap
           if (rank >= kShortRun) atomicOr(&sm.crowded, 1);
         }
       }
@@ -232,7 +240,7 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
       // each cell's start by a binary search of the sorted cells.
 #pragma unroll
       for (int k = 0; k < kLocalItems; ++k) kr[k] = (kr[k] & 0xffff0000u) | uint32_t(k * kLocalThreads + tid);
-      LocalSort(sm.u.sort).Sort(kr, 0, 16 + bits_for_cells(cells));
+      LocalSort<kCap>(sm.u.sort).Sort(kr, 0, 16 + bits_for_cells(cells));
       __syncthreads();  // the sort's storage becomes ent and keys
 #pragma unroll
       for (int k = 0; k < kLocalItems; ++k) {
@@ -241,7 +249,7 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
       }
       __syncthreads();
       for (int c = tid; c <= cells; c += kLocalThreads) {
-        int lo = 0, hi = kLocalCap;  // first position whose key is >= c
+        int lo = 0, hi = kCap;  // first position whose key is >= c
         while (lo < hi) {
           const int mid = (lo + hi) / 2;
           if (int(sm.u.s.keys[mid]) < c) lo = mid + 1; else hi = mid;
@@ -372,17 +380,23 @@ struct LocalLaunch {
         local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw);
       }
       if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-      constexpr size_t bytes = sizeof(LocalSmem);
-      auto kernel = value_grad_local<T, VEC>;
-      if (const cudaError_t err = cudaFuncSetAttribute(
-              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-          err != cudaSuccess) {
-        return err;
-      }
-      kernel<<<static_cast<unsigned>(d.sms) * kLocalBlocksPerSm, kLocalThreads, bytes, stream>>>(
-          g.bw, static_cast<T*>(g.grad_value), lanes_for(g.pb.D, VEC), cell, wts, g.counter);
-      return cudaGetLastError();
+      return g.pb.Lq * g.pb.P <= kLocalCapSmall ? tiles<kLocalCapSmall>(g, d, cell, wts, stream)
+                                                 : tiles<kLocalCap>(g, d, cell, wts, stream);
     }
+  }
+  template <int kCap>
+  static cudaError_t tiles(const LocalParams& g, const DeviceLimits& d, const uint32_t* cell,
+                           const float4* wts, cudaStream_t stream) {
+    constexpr size_t bytes = sizeof(LocalSmem<kCap>);
+    auto kernel = value_grad_local<T, VEC, kCap>;
+    if (const cudaError_t err = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+        err != cudaSuccess) {
+      return err;
+    }
+    kernel<<<static_cast<unsigned>(d.sms) * kLocalBlocksPerSm, kLocalThreads, bytes, stream>>>(
+        g.bw, static_cast<T*>(g.grad_value), lanes_for(g.pb.D, VEC), cell, wts, g.counter);
+    return cudaGetLastError();
   }
 };
 
@@ -394,7 +408,9 @@ bool local_value_grad_ok(const BackwardParams& p) {
   const Problem& pb = p.pb;
   const int64_t elem = dtype_bytes(pb.value_dtype);
   DeviceLimits d;  // the current device's: its blocks must hold LocalSmem
-  if (device_limits(d) != cudaSuccess || d.smem_optin < int(sizeof(LocalSmem))) return false;
+  const size_t smem = pb.Lq * pb.P <= kLocalCapSmall ? sizeof(LocalSmem<kLocalCapSmall>)
+                                                      : sizeof(LocalSmem<kLocalCap>);
+  if (device_limits(d) != cudaSuccess || d.smem_optin < int(smem)) return false;
   return pb.value_dtype != DType::f64 && pb.L >= 1 &&
          pb.Lq * pb.P <= kLocalCap && pb.N * pb.M * pb.S < (int64_t(1) << 31) &&
          pb.S < (int64_t(1) << 30) && pb.N * pb.Lq * pb.M * pb.L * pb.P < (int64_t(1) << 31) &&

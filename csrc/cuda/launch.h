@@ -60,7 +60,7 @@ bool dots_mma_ok(const BackwardParams& p);
 bool sorted_backward_preferred(const BackwardParams& p);
 
 // grad_value of the deterministic backward where the samples of one (n, m,
-// level) fit one block (backward_local.cu): Lq P <= 4096, 16-bit or fp32
+// level) fit one block (backward_local.cu): Lq P <= 8192, 16-bit or fp32
 // values (locations in fp32 or their dtype) with D a multiple of 16 bytes,
 // 16-byte aligned grad_output, N M S < 2^31, S < 2^30, fewer than 2^31
 // samples, and a current device whose blocks may opt in to the kernel's
