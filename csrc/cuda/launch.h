@@ -69,8 +69,8 @@ bool sorted_backward_preferred(const BackwardParams& p);
 // bytes a sample), local_value_grad_scratch_bytes() long and 16-byte aligned,
 // which local_value_grad_records() points p at before backward() (cell_keys
 // null): the dots kernels write them (the fused operator's FFMA kernel's are
-// written by local_value_grad), and `counter`, one unsigned zeroed before the call (the
-// blocks take their work from it). local_value_grad then writes all of
+// written by local_value_grad), and `counter`, one unsigned zeroed before the
+// call (the blocks take their work from it). local_value_grad then writes all of
 // grad_value (N, S, M, D, value's dtype, 16-byte aligned), the same bits on
 // every run.
 bool local_value_grad_ok(const BackwardParams& p);
