@@ -25,9 +25,6 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include <cstdlib>
-#include <cstring>
-
 #include "common.cuh"
 #include "launch.h"
 
@@ -356,7 +353,6 @@ struct LocalParams {
   BackwardParams bw;
   void* grad_value;
   unsigned* counter;
-  float* absmax;  // the integer sums' scratch (fixed_value_grad); null: the walk
 };
 
 template <typename T, typename LT, int VEC>
@@ -384,12 +380,6 @@ struct LocalLaunch {
         local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw);
       }
       if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-      if constexpr (k16) {
-        if (g.absmax != nullptr) {
-          return fixed_value_grad<T>(g.bw, static_cast<T*>(g.grad_value), cell, wts, g.absmax, g.counter,
-                                     stream);
-        }
-      }
       return g.pb.Lq * g.pb.P <= kLocalCapSmall ? tiles<kLocalCapSmall>(g, d, cell, wts, stream)
                                                  : tiles<kLocalCap>(g, d, cell, wts, stream);
     }
@@ -412,14 +402,6 @@ struct LocalLaunch {
 
 int64_t records_offset(int64_t items) { return (4 * items + 15) / 16 * 16; }  // wts after the cells
 
-// The 16-bit values' sums by integers (backward_fixed.cu) unless the
-// environment asks for the walk (MS_DEFORM_ATTN_LOCAL_SUM=walk, for
-// measurements) or the device's blocks cannot hold the kernel's tile.
-bool use_fixed_sums(const BackwardParams& p) {
-  const char* env = std::getenv("MS_DEFORM_ATTN_LOCAL_SUM");
-  return !(env != nullptr && std::strcmp(env, "walk") == 0) && fixed_value_grad_ok(p);
-}
-
 }  // namespace
 
 bool local_value_grad_ok(const BackwardParams& p) {
@@ -438,7 +420,7 @@ bool local_value_grad_ok(const BackwardParams& p) {
 
 int64_t local_value_grad_scratch_bytes(const BackwardParams& p) {
   const int64_t items = p.pb.N * p.pb.Lq * p.pb.M * p.pb.L * p.pb.P;
-  return records_offset(items) + 16 * items + fixed_value_grad_scratch_bytes(p.pb);
+  return records_offset(items) + 16 * items;
 }
 
 void local_value_grad_records(BackwardParams& p, void* scratch) {
@@ -455,11 +437,7 @@ cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned
   }
   if (p.pb.N * p.pb.S * p.pb.M * p.pb.D == 0) return cudaSuccess;
   if (p.local_cell == nullptr || p.local_wts == nullptr) return cudaErrorInvalidValue;
-  const int64_t items = p.pb.N * p.pb.Lq * p.pb.M * p.pb.L * p.pb.P;
-  float* absmax = use_fixed_sums(p) ? reinterpret_cast<float*>(static_cast<char*>(p.local_wts) + 16 * items)
-                                    : nullptr;
-  const LocalParams g{p.pb, static_cast<int>(16 / dtype_bytes(p.pb.value_dtype)), p, grad_value, counter,
-                      absmax};
+  const LocalParams g{p.pb, static_cast<int>(16 / dtype_bytes(p.pb.value_dtype)), p, grad_value, counter};
   return launch_for_dtypes<LocalLaunch, /*kVecOfAcc=*/false, /*kVecBytes=*/16>(g, stream);
 }
 

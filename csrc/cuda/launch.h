@@ -78,16 +78,6 @@ int64_t local_value_grad_scratch_bytes(const BackwardParams& p);
 void local_value_grad_records(BackwardParams& p, void* scratch);
 cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,
                              cudaStream_t stream);
-// Its sums for 16-bit values by shared-memory integer atomics in fixed point
-// (backward_fixed.cu), called by local_value_grad: whether they apply (16-bit
-// values, Lq P <= 8192, the device's blocks hold the tile), the scratch they
-// add to the records (the largest finite |grad_output| of each (n, m)), and
-// the launch (T: __half or __nv_bfloat16; cell and wts the records).
-bool fixed_value_grad_ok(const BackwardParams& p);
-int64_t fixed_value_grad_scratch_bytes(const Problem& pb);
-template <typename T>
-cudaError_t fixed_value_grad(const BackwardParams& p, T* grad_value, const uint32_t* cell,
-                             const float4* wts, float* absmax, unsigned* counter, cudaStream_t stream);
 
 // Column sums of a row-major [rows, cols] matrix (column_sum.cu): the bias
 // gradient of ms_deform_attn::_linear. The launch's shape comes from
