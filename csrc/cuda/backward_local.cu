@@ -76,6 +76,10 @@ struct LocalSmem {
   int crowded;                     // a cell holds more than kShortRun samples
 };
 
+// Whether the samples of one (n, m, level) fit the first instantiation
+// (kLocalCapSmall): its kernel and its shared memory.
+bool small_cap(const Problem& pb) { return pb.Lq * pb.P <= kLocalCapSmall; }
+
 constexpr int bits_for_cells(int cells) {  // bits of every key in [0, cells]
   int b = 0;
   while ((1 << b) <= cells) ++b;
@@ -380,8 +384,8 @@ struct LocalLaunch {
         local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw);
       }
       if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-      return g.pb.Lq * g.pb.P <= kLocalCapSmall ? tiles<kLocalCapSmall>(g, d, cell, wts, stream)
-                                                 : tiles<kLocalCap>(g, d, cell, wts, stream);
+      return small_cap(g.pb) ? tiles<kLocalCapSmall>(g, d, cell, wts, stream)
+                             : tiles<kLocalCap>(g, d, cell, wts, stream);
     }
   }
   template <int kCap>
@@ -408,8 +412,7 @@ bool local_value_grad_ok(const BackwardParams& p) {
   const Problem& pb = p.pb;
   const int64_t elem = dtype_bytes(pb.value_dtype);
   DeviceLimits d;  // the current device's: its blocks must hold LocalSmem
-  const size_t smem = pb.Lq * pb.P <= kLocalCapSmall ? sizeof(LocalSmem<kLocalCapSmall>)
-                                                      : sizeof(LocalSmem<kLocalCap>);
+  const size_t smem = small_cap(pb) ? sizeof(LocalSmem<kLocalCapSmall>) : sizeof(LocalSmem<kLocalCap>);
   if (device_limits(d) != cudaSuccess || d.smem_optin < int(smem)) return false;
   return pb.value_dtype != DType::f64 && pb.L >= 1 &&
          pb.Lq * pb.P <= kLocalCap && pb.N * pb.M * pb.S < (int64_t(1) << 31) &&
