@@ -2,7 +2,8 @@
 `sanitize`): every CUDA backend, forward and backward (atomics, global sort,
 block-local sort), every dtype, locations inside, outside, on pixel centres and
 level borders, NaN and infinite; D that takes the vector and the scalar
-paths; the persistent backend with no shared-memory cache. Prints the cases
+paths; the persistent backend with no shared-memory cache; the block-local
+path above 4096 samples a (n, m, level). Prints the cases
 run; any sanitizer report fails the stage (--error-exitcode).
 
     compute-sanitizer --tool memcheck python tests/sanitize_suite.py
@@ -73,6 +74,22 @@ def main() -> int:
             levels = [(5, 7), (3, 2), (1, 1)]
             value, shapes, start, loc, attn = make_inputs(2, 400, 3, d, levels, 3, torch.bfloat16,
                                                           torch.float32, outside=0.3, seed=count)
+            shapes, start = shapes.cuda(), start.cuda()
+            value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
+            out = msda.ms_deform_attn(value, shapes, start, loc, attn, deterministic=True)
+            torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
+            count += 1
+    # More than 4096 samples a (n, m, level) (DINO's denoising queries): the
+    # block-local path's second instantiation (16 samples a thread), spread
+    # and in one cell, 16-bit and fp32 values.
+    os.environ["MS_DEFORM_ATTN_GRAD_VALUE"] = "local"
+    for dtype in (torch.bfloat16, torch.float32):
+        for crowd in (False, True):
+            levels = [(40, 70), (5, 7)]
+            value, shapes, start, loc, attn = make_inputs(1, 1100, 2, 32, levels, 4, dtype,
+                                                          torch.float32, outside=0.3, seed=count)
+            if crowd:
+                loc.fill_(0.513)
             shapes, start = shapes.cuda(), start.cuda()
             value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
             out = msda.ms_deform_attn(value, shapes, start, loc, attn, deterministic=True)
