@@ -1,7 +1,8 @@
 """The canonical MSDA workloads and their sampling-location generators.
 
 The project's own copy of ../shared/WORKLOADS.md (the spec): every workload by
-name, the location generators (`uniform`, `encoder`, `decoder` from the spec;
+name (plus dino_dec_dn, DINO's decoder with its denoising queries), the
+location generators (`uniform`, `encoder`, `decoder` from the spec;
 `smooth`, the project's trained-like field for the encoders, see
 smooth_offsets), and the bytes floor. Tests and benchmarks draw their inputs
 from here. "name@generator" gives a workload with another generator
@@ -58,6 +59,10 @@ WORKLOADS: Dict[str, Workload] = {
         Workload("ddetr_enc", 2, DDETR_LEVELS, None, 8, 4, "encoder"),
         Workload("ddetr_dec", 2, DDETR_LEVELS, 300, 8, 4, "decoder"),
         Workload("dino_dec", 4, DDETR_LEVELS, 900, 8, 4, "decoder"),
+        # The project's addition: dino_dec in training, its 900 queries
+        # joined by ~200 denoising ones (Lq P 4400: above the block-local
+        # path's first 4096-sample instantiation).
+        Workload("dino_dec_dn", 4, DDETR_LEVELS, 1100, 8, 4, "decoder"),
         Workload("rtdetr_dec", 16, ((80, 80), (40, 40), (20, 20)), 300, 8, 4, "decoder"),
         Workload("dino5_enc", 1, ((200, 334),) + DDETR_LEVELS, None, 8, 4, "encoder"),
         Workload("bevformer_tsa", 2, ((200, 200),), None, 8, 4, "encoder"),
