@@ -24,6 +24,9 @@ struct Problem {
   bool host_shapes = false;      // the caller passed the level shapes on the host too
 };
 
+// Samples of a problem: one a (n, q, m, level, point).
+inline int64_t sample_count(const Problem& pb) { return pb.N * pb.Lq * pb.M * pb.L * pb.P; }
+
 struct ForwardParams {
   Problem pb;
   const void* value = nullptr;            // (N, S, M, D)

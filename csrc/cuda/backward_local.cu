@@ -378,7 +378,7 @@ struct LocalLaunch {
       // (backward_kernel) here.
       constexpr bool k16 = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
       if (g.bw.ref != nullptr && !(k16 && dots_mma_ok(g.bw))) {
-        const int64_t items = g.pb.N * g.pb.Lq * g.pb.M * g.pb.L * g.pb.P;
+        const int64_t items = sample_count(g.pb);
         const unsigned grid = static_cast<unsigned>(
             std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(d.sms) * 16));
         local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw);
@@ -416,20 +416,20 @@ bool local_value_grad_ok(const BackwardParams& p) {
   if (device_limits(d) != cudaSuccess || d.smem_optin < int(smem)) return false;
   return pb.value_dtype != DType::f64 && pb.L >= 1 &&
          pb.Lq * pb.P <= kLocalCap && pb.N * pb.M * pb.S < (int64_t(1) << 31) &&
-         pb.S < (int64_t(1) << 30) && pb.N * pb.Lq * pb.M * pb.L * pb.P < (int64_t(1) << 31) &&
+         pb.S < (int64_t(1) << 30) && sample_count(pb) < (int64_t(1) << 31) &&
          pb.M * pb.D * elem <= int64_t(UINT32_MAX) &&
          pb.D % (16 / elem) == 0 && reinterpret_cast<uintptr_t>(p.grad_out) % 16 == 0;
 }
 
 int64_t local_value_grad_scratch_bytes(const BackwardParams& p) {
-  const int64_t items = p.pb.N * p.pb.Lq * p.pb.M * p.pb.L * p.pb.P;
+  const int64_t items = sample_count(p.pb);
   return records_offset(items) + 16 * items;
 }
 
 void local_value_grad_records(BackwardParams& p, void* scratch) {
   char* rec = static_cast<char*>(scratch);
   p.local_cell = rec;
-  p.local_wts = rec + records_offset(p.pb.N * p.pb.Lq * p.pb.M * p.pb.L * p.pb.P);
+  p.local_wts = rec + records_offset(sample_count(p.pb));
 }
 
 cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,

@@ -51,7 +51,7 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   const auto& pb = in.pb;
   p.cell_stride = 2 * pb.S + 2 * pb.L;
   DeterministicBuffers b;
-  b.items = pb.N * pb.Lq * pb.M * pb.L * pb.P;
+  b.items = sample_count(pb);
   b.cells = pb.N * pb.M * p.cell_stride;
   b.end_bit = bits_for(b.cells);
   b.wide = b.cells >= int64_t(UINT32_MAX) || b.items >= int64_t(UINT32_MAX);
