@@ -153,14 +153,21 @@ __device__ __forceinline__ void sample_grads(const BackwardSample<A>& s, const A
   }
 }
 
-// The block-local record index of sample i of group (n, q, m) (nm = n M +
-// m; see BackwardParams::local_cell) and its record written there: 32-bit
-// indices, the launch keeps the samples below 2^31 and A float.
+// The block-local record index of sample (q, level l, point pt) of (n, m)
+// (nm = n M + m; see BackwardParams::local_cell): records by (n, m, level),
+// then query, then point; 32-bit indices, the launch keeps the samples below
+// 2^31 and A float.
+__device__ __forceinline__ uint32_t local_record_at(const Problem& pb, uint32_t nm, uint32_t l, uint32_t q,
+                                                   uint32_t pt) {
+  return (nm * uint32_t(pb.L) + l) * (uint32_t(pb.Lq) * uint32_t(pb.P)) + q * uint32_t(pb.P) + pt;
+}
+
+// The same for sample i of group (n, q, m), the group's index decoded.
 __device__ __forceinline__ uint32_t local_record_index(const BackwardParams& p, int64_t group, int i,
                                                       int64_t nm) {
   const uint32_t M = uint32_t(p.pb.M), Lq = uint32_t(p.pb.Lq), P = uint32_t(p.pb.P);
   const uint32_t n = uint32_t(nm) / M, q = uint32_t(group) / M - n * Lq, l = uint32_t(i) / P;
-  return (uint32_t(nm) * uint32_t(p.pb.L) + l) * (Lq * P) + q * P + (uint32_t(i) - l * P);
+  return local_record_at(p.pb, uint32_t(nm), l, q, uint32_t(i) - l * P);
 }
 
 template <typename A>
@@ -742,9 +749,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       if (live) {
         // Its block-local record index (BackwardParams), from the group's n.
         const auto record = [&] {
-          const uint32_t q = by_m(g32) - n * static_cast<uint32_t>(pb.Lq);
-          return (uint32_t(nm) * uint32_t(pb.L) + uint32_t(l)) * uint32_t(pb.Lq * pb.P) + q * uint32_t(pb.P) +
-                 uint32_t(pt);
+          return local_record_at(pb, uint32_t(nm), uint32_t(l), by_m(g32) - n * static_cast<uint32_t>(pb.Lq),
+                                 uint32_t(pt));
         };
         write_sample_grads<A, LT, true>(p, s, s.w * (gr[0] - ag), s.w * gr[1] * sx, s.w * gr[2] * sy,
                                         group, i, nm, cell_base[l], record);
