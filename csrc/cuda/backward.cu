@@ -772,13 +772,17 @@ bool dots_mma_ok(const BackwardParams& p) {
          aligned(p.value) && aligned(p.grad_out);
 }
 
+bool dots_on_tensor_cores(const BackwardParams& p) {
+  return (p.pb.value_dtype == DType::f16 || p.pb.value_dtype == DType::bf16) && dots_mma_ok(p);
+}
+
 namespace {
 
 template <typename T, typename LT, int VEC>
 struct DotsLaunch {
   static cudaError_t run(const BackwardParams& p, cudaStream_t stream) {
     if constexpr (std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>) {
-      if (!dots_mma_ok(p)) return Launch<T, LT, VEC>::run(p, stream);
+      if (!dots_on_tensor_cores(p)) return Launch<T, LT, VEC>::run(p, stream);
       const Problem& pb = p.pb;
       const int LPp = pb.L * padded_points(pb.P);
       const int64_t G = pb.N * pb.Lq * pb.M;

@@ -374,10 +374,8 @@ struct LocalLaunch {
       uint32_t* cell = static_cast<uint32_t*>(g.bw.local_cell);
       float4* wts = static_cast<float4*>(g.bw.local_wts);
       // The fused operator's records: written by its tensor-core dots kernel
-      // (16-bit values where dots_mma_ok, as DotsLaunch decides), else
-      // (backward_kernel) here.
-      constexpr bool k16 = std::is_same_v<T, __half> || std::is_same_v<T, __nv_bfloat16>;
-      if (g.bw.ref != nullptr && !(k16 && dots_mma_ok(g.bw))) {
+      // where it ran, else (backward_kernel) here.
+      if (g.bw.ref != nullptr && !dots_on_tensor_cores(g.bw)) {
         const int64_t items = sample_count(g.pb);
         const unsigned grid = static_cast<unsigned>(
             std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(d.sms) * 16));

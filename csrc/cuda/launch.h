@@ -48,6 +48,11 @@ cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
 // (p.ref set) runs only where this holds.
 bool dots_mma_ok(const BackwardParams& p);
 
+// Whether they do: 16-bit values where dots_mma_ok. Then dots_mma_kernel also
+// writes the fused operator's block-local records; otherwise local_footprints
+// writes them before value_grad_local.
+bool dots_on_tensor_cores(const BackwardParams& p);
+
 // Whether the deterministic (sorted) backward is also the faster one for p
 // (value, grad_out and pb set), as measured (benchmarks/NOTES.md): bf16
 // values, whose dots and grad_value then run on tensor cores (D a multiple
