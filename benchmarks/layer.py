@@ -34,9 +34,15 @@ the other two read the level shapes on the host and cannot be captured).
 
 Model: a full-size transformers DeformableDetrModel built from its config
 (ResNet-50-shaped backbone, no weights, no network), batch 2 at 800 x 1333
-(--image), bf16 autocast on a GPU: training step time (AdamW) and peak
-memory, transformers' own path against swap_msda, eager and (--compile)
-compiled.
+(--image), bf16 autocast on a GPU: training step time (AdamW; --fused-adamw
+for its fused CUDA kernel) and peak memory, transformers' own path against
+swap_msda, eager and (--compile) compiled, in each of --compile-modes
+(torch.compile's modes: "default", "reduce-overhead" replays CUDA graphs,
+"max-autotune-no-cudagraphs", ...). Three steps warm up first (compilation,
+graph recording). step_ms is the median wall step between CUDA events, so a
+host slower than the GPU counts; gpu_ms is the step's kernels summed
+(torch.profiler over five steps), what the step takes where the host keeps
+the GPU fed.
 
 Writes layer.json / model.json under --out and prints a table. With
 MSDA_PLAIN_LINEARS=1 the layers' linears run as their nn.Linear modules
@@ -298,6 +304,20 @@ def full_size_deformable_detr(tiny: bool = False):
     return transformers.DeformableDetrModel(cfg)
 
 
+def gpu_ms_per_step(step: Callable[[], object], steps: int = 5) -> float:
+    """The GPU time of one step in ms: its kernels, copies and fills summed
+    over `steps` steps under torch.profiler (one stream: no overlap to
+    discount), divided by `steps`."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
+    return total_us / steps / 1e3
+
+
 def bench_model(args) -> List[Dict]:
     from ms_deform_attn.hf import swap_msda
 
@@ -307,15 +327,20 @@ def bench_model(args) -> List[Dict]:
     pixels = torch.randn(args.batch, 3, h, w, generator=g).to(device)
     mask = torch.ones(args.batch, h, w, dtype=torch.long, device=device)
     rows = []
+    modes = [None] + (args.compile_modes.split(",") if args.compile else [])
     for path in args.paths.split(","):
-        for compiled in (False, True) if args.compile else (False,):
+        for mode in modes:
             model = full_size_deformable_detr(tiny=args.tiny_model)
             if path.startswith("swapped"):
                 swap_msda(model, fused=path != "swapped_unfused",
                           recompute=path == "swapped_recompute")
             model = model.to(device).train()
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-            fwd = torch.compile(model) if compiled else model
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
+                                    **({"fused": True} if args.fused_adamw else {}))
+            if mode is None:
+                fwd = model
+            else:
+                fwd = torch.compile(model, mode=None if mode == "default" else mode)
 
             def step(fwd=fwd, opt=opt):
                 with _autocast(device, "bf16" if device == "cuda" else "fp32"):
@@ -325,17 +350,23 @@ def bench_model(args) -> List[Dict]:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+            for _ in range(3):  # compilation, graph recording, the allocator
+                step()
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t = _time(device, step, args.target_ms)
-            row = {"model": "DeformableDetrModel", "path": path, "compiled": compiled,
+            row = {"model": "DeformableDetrModel", "path": path, "compiled": mode is not None,
+                   "compile_mode": mode, "fused_adamw": args.fused_adamw,
                    "image": args.image, "batch": args.batch, "step_ms": t / 1e3}
             if device == "cuda":
                 row["peak_bytes"] = torch.cuda.max_memory_allocated()
+                row["gpu_ms"] = gpu_ms_per_step(step)
             rows.append(row)
             print(json.dumps(row), flush=True)
             del model, opt, fwd
+            if mode is not None:
+                torch._dynamo.reset()  # the next model compiles afresh, not against a limit
             if device == "cuda":
                 torch.cuda.empty_cache()
     return rows
@@ -353,6 +384,11 @@ def parse_args(argv=None):
                     help="timing budget per measurement (at least 10 steps on a GPU, 3 on the CPU)")
     ap.add_argument("--model", action="store_true", help="the whole-model benchmark instead")
     ap.add_argument("--compile", action="store_true", help="--model: also under torch.compile")
+    ap.add_argument("--compile-modes", default="default",
+                    help="--model --compile: torch.compile modes, comma-separated "
+                         "(default, reduce-overhead, max-autotune-no-cudagraphs, ...)")
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="--model: AdamW(fused=True) instead of its foreach default")
     ap.add_argument("--paths", default="transformers,swapped",
                     help="--model: of transformers (its own path), swapped (swap_msda: "
                          "the fused layers), swapped_recompute (swap_msda(recompute=True)), "

@@ -3,7 +3,7 @@
 # test suite, run the benchmark; logs, JSON and PNG go under $OUT when set
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
-#   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes,
+#   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes, model,
 #                               profile, source, sass, dsmem, cpp, cputhreads, layerk, binned, paths)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
@@ -117,6 +117,12 @@ for stage in $STAGES; do
       # Per-kernel GPU times of the attention layer's forward + backward
       # (LAYERK_ARGS="workload dtype impl ...").
       $PY scripts/layer_kernels.py ${LAYERK_ARGS:-ddetr_enc bf16 ours fused} 2>&1 | tee -a "$OUT/layerk.txt" | head -120 ;;
+    model)
+      # The full-size DeformableDetrModel training step (benchmarks.layer
+      # --model; MODEL_ARGS, JSON under $OUT/model).
+      $PY -m benchmarks.layer --model ${MODEL_ARGS:---paths swapped --compile} --out "$OUT/model" 2>&1 \
+        | tee "$OUT/model.log" | grep -v Warning | tail -20
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "MODEL BENCH FAILED"; status=1; } ;;
     binned)
       # Standalone programs, no library build: the binnings against today's
       # sort (scripts/binning_bench.cu) and the tile-owner backward prototype
