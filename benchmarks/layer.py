@@ -39,10 +39,10 @@ for its fused CUDA kernel) and peak memory, transformers' own path against
 swap_msda, eager and (--compile) compiled, in each of --compile-modes
 (torch.compile's modes: "default", "reduce-overhead" replays CUDA graphs,
 "max-autotune-no-cudagraphs", ...). Three steps warm up first (compilation,
-graph recording). step_ms is the median wall step between CUDA events, so a
-host slower than the GPU counts; gpu_ms is the step's kernels summed
-(torch.profiler over five steps), what the step takes where the host keeps
-the GPU fed.
+graph recording; the peak memory counts them). step_ms is the median wall
+step between CUDA events, so a host slower than the GPU counts; gpu_ms is
+the step's kernels summed (torch.profiler over five steps), what the step
+takes where the host keeps the GPU fed.
 
 Writes layer.json / model.json under --out and prints a table. With
 MSDA_PLAIN_LINEARS=1 the layers' linears run as their nn.Linear modules
@@ -350,11 +350,13 @@ def bench_model(args) -> List[Dict]:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-            for _ in range(3):  # compilation, graph recording, the allocator
-                step()
             if device == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            # Compilation, graph recording (whose memory pool the replays
+            # reuse: the peak counts from here), the allocator.
+            for _ in range(3):
+                step()
             t = _time(device, step, args.target_ms)
             row = {"model": "DeformableDetrModel", "path": path, "compiled": mode is not None,
                    "compile_mode": mode, "fused_adamw": args.fused_adamw,

@@ -361,6 +361,40 @@ def test_cuda_graph_training_step(device, backend, fused):
         torch.testing.assert_close(a, p.grad, rtol=2e-2, atol=2e-3)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_compile_reduce_overhead_training_step(fused):
+    # torch.compile's CUDA-graph mode (cudagraph trees over the forward and the
+    # backward), as benchmarks.layer's model step uses it: no graph skipped
+    # for the operator, and every step's loss and gradients are eager's,
+    # through warm-up, recording and replays on fresh inputs.
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    model = TinyEncoder().cuda()
+    for layer in model.layers:
+        layer.fused = fused
+    compiled = torch.compile(model, mode="reduce-overhead")
+
+    def step(fn, inputs):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(*inputs).float().square().mean()
+        loss.backward()
+        return loss.detach().clone(), [p.grad.clone() for p in model.parameters()]
+
+    for _ in range(4):
+        inputs = encoder_inputs("cuda")
+        torch.compiler.cudagraph_mark_step_begin()
+        loss, grads = step(compiled, inputs)
+        eager_loss, eager_grads = step(model, inputs)
+        torch.testing.assert_close(loss, eager_loss, rtol=1e-3, atol=1e-4)
+        for a, b in zip(grads, eager_grads):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+
+
 # ---- Hugging Face transformers ---------------------------------------------------
 def tiny_deformable_detr(device):
     transformers = pytest.importorskip("transformers")
