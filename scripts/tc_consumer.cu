@@ -203,7 +203,7 @@ static float bf2f(__nv_bfloat16 h) {
 
 int main(int argc, char** argv) {
   const int W = argc > 1 ? std::atoi(argv[1]) : 20, H = argc > 2 ? std::atoi(argv[2]) : 20;
-  const int items = 2 * 19947 * 8;  // ddetr_enc: N Lq M (query, head) pairs
+  const int items = 2 * 22223 * 8;  // ddetr_enc: N Lq M (query, head) pairs, 5.69 M samples
   const int64_t n = int64_t(items) * kSamples;
   std::mt19937 rng(0);
   std::uniform_real_distribution<float> ux(0.f, float(W - 1) - 1e-3f), uy(0.f, float(H - 1) - 1e-3f), ua(0.f, 1.f);
