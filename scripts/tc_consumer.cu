@@ -42,6 +42,7 @@
 
 using msda::cuda::ldmatrix_x4;
 using msda::cuda::mma_16816;
+using msda::cuda::split_bf16;
 
 // ldmatrix.x4.trans from a shared-space byte address (no generic-to-shared
 // conversion a step).
@@ -129,6 +130,64 @@ __global__ void __launch_bounds__(kThreads, 2) tc_kernel(Params p) {
       }
       // Lane (g, q): rows g (chunk q % 2) and g + 8 (chunk 2 + q % 2) of
       // slot q / 2, hi + lo; the two slots summed across q ^ 2.
+      float v0 = acc[0] + acc[1], v1 = acc[2] + acc[3];
+      v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+      v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+      const int item = 2 * pair + it;
+      if (q < 2 && item < p.items) {
+        p.out[size_t(item) * kD + 8 * q + g] = __float2bfloat16_rn(v0);
+        p.out[size_t(item) * kD + 16 + 8 * q + g] = __float2bfloat16_rn(v1);
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// tc2: the same steps with the weights formed once a sample, at resolve:
+// entry (s, q) = (top-left corner's box offset, corner q's weight as bf16 hi
+// | lo << 16), 8 bytes, so that a step is one 8-byte table load, the address
+// and its swizzle, ldmatrix, two byte permutes into B and the mma.
+__global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t box_bytes = p.W * p.H * 64;
+  fill_boxes(p, smem, box_bytes);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint2* table = reinterpret_cast<uint2*>(smem + kL * box_bytes) + warp * 32 * 4;
+  __syncthreads();
+  const int g = lane / 4, q = lane % 4, slot = lane / 16;
+  const int r = lane % 8, corner = r / 2, chunk = 2 * ((lane / 8) % 2) + r % 2;
+  const uint32_t corner_off = ((corner & 1) + (corner >> 1) * p.W) * 64u + chunk * 16u;
+  // B column g: bf16 hi (g even) or lo (g odd) of the word, in the low
+  // (g / 2 even) or high half; the register of the other slot zero.
+  const uint32_t sel_g[4] = {0x4410u, 0x4432u, 0x1044u, 0x3244u};
+  const uint32_t sel = sel_g[g % 4];
+  const uint32_t sel0 = slot ? 0x4444u : sel, sel1 = slot ? sel : 0x4444u;
+  const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int pairs = (p.items + 1) / 2;
+  for (int pair = blockIdx.x * kWarps + warp; pair < pairs; pair += gridDim.x * kWarps) {
+    {
+      const float4 e = resolve(p, int64_t(pair) * 32 + lane, box_bytes);
+      const float fx = e.y, fy = e.z;
+      const float cw[4] = {e.w * (1.f - fx) * (1.f - fy), e.w * fx * (1.f - fy), e.w * (1.f - fx) * fy,
+                           e.w * fx * fy};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint16_t hi, lo;
+        split_bf16(cw[c], hi, lo);
+        table[4 * lane + c] = make_uint2(__float_as_uint(e.x), uint32_t(hi) | (uint32_t(lo) << 16));
+      }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 2; ++it) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int step = 0; step < kSamples / 2; ++step) {
+        const uint2 e = table[4 * (16 * it + 2 * step + slot) + q];
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, smem_u32 + swz(e.x + corner_off));
+        mma_16816<__nv_bfloat16>(acc, a, __byte_perm(e.y, 0u, sel0), __byte_perm(e.y, 0u, sel1));
+      }
       float v0 = acc[0] + acc[1], v1 = acc[2] + acc[3];
       v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
       v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
@@ -242,9 +301,10 @@ int main(int argc, char** argv) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::printf("items %d, samples %lld, box %d x %d, %d SMs\n", items, (long long)n, W, H, sms);
-  for (int mode = 0; mode < 2; ++mode) {
-    auto kernel = mode == 0 ? tc_kernel : ffma_kernel;
-    const size_t bytes = size_t(kL) * W * H * 64 + kWarps * (mode == 0 ? 32 : 128) * 16;
+  const char* names[3] = {"tc", "tc2", "ffma"};
+  for (int mode = 0; mode < 3; ++mode) {
+    auto kernel = mode == 0 ? tc_kernel : mode == 1 ? tc2_kernel : ffma_kernel;
+    const size_t bytes = size_t(kL) * W * H * 64 + kWarps * (mode == 1 ? 64 : 32 * (mode == 0 ? 1 : 4)) * 16;
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
     int per_sm = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, bytes));
@@ -277,7 +337,7 @@ int main(int argc, char** argv) {
       ts.push_back(ms * 1e3f);
     }
     std::sort(ts.begin(), ts.end());
-    std::printf("%-4s %d blocks/SM, rel err %.2e%s, median %.1f us (min %.1f)\n", mode == 0 ? "tc" : "ffma",
+    std::printf("%-4s %d blocks/SM, rel err %.2e%s, median %.1f us (min %.1f)\n", names[mode],
                 per_sm, std::sqrt(num / den), nan ? " NaN!" : "", ts[ts.size() / 2], ts[0]);
   }
   return 0;
