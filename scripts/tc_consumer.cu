@@ -76,6 +76,16 @@ __device__ void fill_boxes(const Params& p, unsigned char* smem, uint32_t box_by
   }
 }
 
+// Fills the block's boxes and returns this warp's table of `per_warp`
+// entries, which follows them.
+template <typename E>
+__device__ E* block_setup(const Params& p, unsigned char* smem, int per_warp) {
+  const uint32_t box_bytes = p.W * p.H * 64;
+  fill_boxes(p, smem, box_bytes);
+  __syncthreads();
+  return reinterpret_cast<E*>(smem + kL * box_bytes) + (threadIdx.x / 32) * per_warp;
+}
+
 // Table entry of sample `s` (item, l, p order): its top-left corner's box
 // byte offset (as float bits), fx, fy, weight.
 __device__ float4 resolve(const Params& p, int64_t s, uint32_t box_bytes) {
@@ -88,21 +98,40 @@ __device__ float4 resolve(const Params& p, int64_t s, uint32_t box_bytes) {
   return make_float4(__uint_as_float(off), xy.x - x0, xy.y - y0, a);
 }
 
+// This lane's ldmatrix row within a sample: row L % 8 of matrix L / 8, i.e.
+// corner (L % 8) / 2 at chunk 2 ((L / 8) % 2) + L % 2, as a byte offset
+// from the sample's top-left corner (before the swizzle).
+__device__ __forceinline__ uint32_t ldmatrix_row_offset(int lane, int W) {
+  const int r = lane % 8, corner = r / 2, chunk = 2 * ((lane / 8) % 2) + r % 2;
+  return ((corner & 1) + (corner >> 1) * W) * 64u + chunk * 16u;
+}
+
+// An item's 32 outputs from its m16n8 accumulators. Lane (g, q) holds rows
+// g (chunk q % 2) and g + 8 (chunk 2 + q % 2) of sample slot q / 2, hi + lo
+// in columns 2 q and 2 q + 1; the two slots are summed across q ^ 2.
+__device__ __forceinline__ void store_item(const Params& p, const float (&acc)[4], int item, int lane) {
+  const int g = lane / 4, q = lane % 4;
+  float v0 = acc[0] + acc[1], v1 = acc[2] + acc[3];
+  v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
+  v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
+  if (q < 2 && item < p.items) {
+    p.out[size_t(item) * kD + 8 * q + g] = __float2bfloat16_rn(v0);
+    p.out[size_t(item) * kD + 16 + 8 * q + g] = __float2bfloat16_rn(v1);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 2) tc_kernel(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t box_bytes = p.W * p.H * 64;
-  fill_boxes(p, smem, box_bytes);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  float4* table = reinterpret_cast<float4*>(smem + kL * box_bytes) + warp * 32;
-  __syncthreads();
+  float4* table = block_setup<float4>(p, smem, 32);
+  const int lane = threadIdx.x % 32;
   // Lane constants. ldmatrix: lane L gives row L % 8 of matrix L / 8 =
   // (sample slot L / 16, chunk pair (L / 8) % 2); row r = corner r / 2,
   // chunk bit r % 2. B: column g = lane / 4 = (slot g / 4, chunk bit
   // (g / 2) % 2, hi or lo g % 2), rows 2 q, 2 q + 1 (q = lane % 4) = corner q
   // of the slot's sample, chunk bits 0 and 1.
   const int g = lane / 4, q = lane % 4, slot = lane / 16;
-  const int r = lane % 8, corner = r / 2, chunk = 2 * ((lane / 8) % 2) + r % 2;
-  const uint32_t corner_off = ((corner & 1) + (corner >> 1) * p.W) * 64u + chunk * 16u;
+  const uint32_t corner_off = ldmatrix_row_offset(lane, p.W);
   // Corner q's bilinear factors as fmaf(s, f, o): f or 1 - f.
   const float sx = (q & 1) ? 1.f : -1.f, ox = (q & 1) ? 0.f : 1.f;
   const float sy = (q & 2) ? 1.f : -1.f, oy = (q & 2) ? 0.f : 1.f;
@@ -111,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 2) tc_kernel(Params p) {
   const bool high_half = (g >> 1) & 1;
   const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int pairs = (p.items + 1) / 2;
-  for (int pair = blockIdx.x * kWarps + warp; pair < pairs; pair += gridDim.x * kWarps) {
+  for (int pair = blockIdx.x * kWarps + int(threadIdx.x / 32); pair < pairs; pair += gridDim.x * kWarps) {
     table[lane] = resolve(p, int64_t(pair) * 32 + lane, box_bytes);
     __syncwarp();
 #pragma unroll
@@ -128,16 +157,7 @@ __global__ void __launch_bounds__(kThreads, 2) tc_kernel(Params p) {
         const uint32_t packed = *reinterpret_cast<const uint32_t*>(&pk);
         mma_16816<__nv_bfloat16>(acc, a, slot ? 0u : packed, slot ? packed : 0u);
       }
-      // Lane (g, q): rows g (chunk q % 2) and g + 8 (chunk 2 + q % 2) of
-      // slot q / 2, hi + lo; the two slots summed across q ^ 2.
-      float v0 = acc[0] + acc[1], v1 = acc[2] + acc[3];
-      v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
-      v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
-      const int item = 2 * pair + it;
-      if (q < 2 && item < p.items) {
-        p.out[size_t(item) * kD + 8 * q + g] = __float2bfloat16_rn(v0);
-        p.out[size_t(item) * kD + 16 + 8 * q + g] = __float2bfloat16_rn(v1);
-      }
+      store_item(p, acc, 2 * pair + it, lane);
     }
     __syncwarp();
   }
@@ -150,13 +170,10 @@ __global__ void __launch_bounds__(kThreads, 2) tc_kernel(Params p) {
 __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t box_bytes = p.W * p.H * 64;
-  fill_boxes(p, smem, box_bytes);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  uint2* table = reinterpret_cast<uint2*>(smem + kL * box_bytes) + warp * 32 * 4;
-  __syncthreads();
+  uint2* table = block_setup<uint2>(p, smem, 32 * 4);
+  const int lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4, slot = lane / 16;
-  const int r = lane % 8, corner = r / 2, chunk = 2 * ((lane / 8) % 2) + r % 2;
-  const uint32_t corner_off = ((corner & 1) + (corner >> 1) * p.W) * 64u + chunk * 16u;
+  const uint32_t corner_off = ldmatrix_row_offset(lane, p.W);
   // B column g: bf16 hi (g even) or lo (g odd) of the word, in the low
   // (g / 2 even) or high half; the register of the other slot zero.
   const uint32_t sel_g[4] = {0x4410u, 0x4432u, 0x1044u, 0x3244u};
@@ -164,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
   const uint32_t sel0 = slot ? 0x4444u : sel, sel1 = slot ? sel : 0x4444u;
   const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int pairs = (p.items + 1) / 2;
-  for (int pair = blockIdx.x * kWarps + warp; pair < pairs; pair += gridDim.x * kWarps) {
+  for (int pair = blockIdx.x * kWarps + int(threadIdx.x / 32); pair < pairs; pair += gridDim.x * kWarps) {
     {
       const float4 e = resolve(p, int64_t(pair) * 32 + lane, box_bytes);
       const float fx = e.y, fy = e.z;
@@ -188,14 +205,7 @@ __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
         ldmatrix_x4_trans(a, smem_u32 + swz(e.x + corner_off));
         mma_16816<__nv_bfloat16>(acc, a, __byte_perm(e.y, 0u, sel0), __byte_perm(e.y, 0u, sel1));
       }
-      float v0 = acc[0] + acc[1], v1 = acc[2] + acc[3];
-      v0 += __shfl_xor_sync(0xffffffffu, v0, 2);
-      v1 += __shfl_xor_sync(0xffffffffu, v1, 2);
-      const int item = 2 * pair + it;
-      if (q < 2 && item < p.items) {
-        p.out[size_t(item) * kD + 8 * q + g] = __float2bfloat16_rn(v0);
-        p.out[size_t(item) * kD + 16 + 8 * q + g] = __float2bfloat16_rn(v1);
-      }
+      store_item(p, acc, 2 * pair + it, lane);
     }
     __syncwarp();
   }
@@ -204,13 +214,11 @@ __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
 __global__ void __launch_bounds__(kThreads, 2) ffma_kernel(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t box_bytes = p.W * p.H * 64;
-  fill_boxes(p, smem, box_bytes);
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  float4* table = reinterpret_cast<float4*>(smem + kL * box_bytes) + warp * 128;
-  __syncthreads();
+  float4* table = block_setup<float4>(p, smem, 128);
+  const int lane = threadIdx.x % 32;
   const int grp = lane / 4, j = lane % 4;
   const int octs = (p.items + 7) / 8;
-  for (int oct = blockIdx.x * kWarps + warp; oct < octs; oct += gridDim.x * kWarps) {
+  for (int oct = blockIdx.x * kWarps + int(threadIdx.x / 32); oct < octs; oct += gridDim.x * kWarps) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) table[32 * k + lane] = resolve(p, int64_t(oct) * 128 + 32 * k + lane, box_bytes);
     __syncwarp();
