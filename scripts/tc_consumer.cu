@@ -211,6 +211,59 @@ __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
   }
 }
 
+// tc3: tc2 with 32-bit table entries, so that a step's table load is one
+// wavefront: entry (s, q, part) = the top-left corner's box pixel index in
+// the low 16 bits, corner q's weight part (bf16 hi or lo) in the high 16.
+__global__ void __launch_bounds__(kThreads, 2) tc3_kernel(Params p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t box_bytes = p.W * p.H * 64;
+  uint32_t* table = block_setup<uint32_t>(p, smem, 32 * 8);
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4, q = lane % 4, slot = lane / 16;
+  const uint32_t corner_off = ldmatrix_row_offset(lane, p.W);
+  // B column g: the entry's weight part (high 16 bits) in the low (g / 2
+  // even) or high half; the register of the other slot zero.
+  const uint32_t sel = (g & 2) ? 0x3244u : 0x4432u;
+  const uint32_t sel0 = slot ? 0x4444u : sel, sel1 = slot ? sel : 0x4444u;
+  const int part = g & 1;
+  const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int pairs = (p.items + 1) / 2;
+  for (int pair = blockIdx.x * kWarps + int(threadIdx.x / 32); pair < pairs; pair += gridDim.x * kWarps) {
+    {
+      const float4 e = resolve(p, int64_t(pair) * 32 + lane, box_bytes);
+      const uint32_t pix = __float_as_uint(e.x) / 64u;  // < 2^16: kL W H pixels
+      const float fx = e.y, fy = e.z;
+      const float cw[4] = {e.w * (1.f - fx) * (1.f - fy), e.w * fx * (1.f - fy), e.w * (1.f - fx) * fy,
+                           e.w * fx * fy};
+      uint32_t words[8];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint16_t hi, lo;
+        split_bf16(cw[c], hi, lo);
+        words[2 * c] = pix | (uint32_t(hi) << 16);
+        words[2 * c + 1] = pix | (uint32_t(lo) << 16);
+      }
+      uint4* row = reinterpret_cast<uint4*>(table + 8 * lane);
+      row[0] = make_uint4(words[0], words[1], words[2], words[3]);
+      row[1] = make_uint4(words[4], words[5], words[6], words[7]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int it = 0; it < 2; ++it) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int step = 0; step < kSamples / 2; ++step) {
+        const uint32_t e = table[8 * (16 * it + 2 * step + slot) + 2 * q + part];
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, smem_u32 + swz((e & 0xffffu) * 64u + corner_off));
+        mma_16816<__nv_bfloat16>(acc, a, __byte_perm(e, 0u, sel0), __byte_perm(e, 0u, sel1));
+      }
+      store_item(p, acc, 2 * pair + it, lane);
+    }
+    __syncwarp();
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 2) ffma_kernel(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t box_bytes = p.W * p.H * 64;
@@ -309,10 +362,12 @@ int main(int argc, char** argv) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::printf("items %d, samples %lld, box %d x %d, %d SMs\n", items, (long long)n, W, H, sms);
-  const char* names[3] = {"tc", "tc2", "ffma"};
-  for (int mode = 0; mode < 3; ++mode) {
-    auto kernel = mode == 0 ? tc_kernel : mode == 1 ? tc2_kernel : ffma_kernel;
-    const size_t bytes = size_t(kL) * W * H * 64 + kWarps * (mode == 1 ? 64 : 32 * (mode == 0 ? 1 : 4)) * 16;
+  const char* names[4] = {"tc", "tc2", "tc3", "ffma"};
+  // Table bytes a warp: tc 32 entries of 16, tc2 128 of 8, tc3 256 of 4, ffma 128 of 16.
+  const size_t table_bytes[4] = {512, 1024, 1024, 2048};
+  for (int mode = 0; mode < 4; ++mode) {
+    auto kernel = mode == 0 ? tc_kernel : mode == 1 ? tc2_kernel : mode == 2 ? tc3_kernel : ffma_kernel;
+    const size_t bytes = size_t(kL) * W * H * 64 + kWarps * table_bytes[mode];
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
     int per_sm = 0;
     CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, bytes));
