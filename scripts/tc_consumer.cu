@@ -214,6 +214,8 @@ __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
 // tc3: tc2 with 32-bit table entries, so that a step's table load is one
 // wavefront: entry (s, q, part) = the top-left corner's box pixel index in
 // the low 16 bits, corner q's weight part (bf16 hi or lo) in the high 16.
+// Compiled (34 registers) but not yet run on a GPU (benchmarks/NOTES.md,
+// fifteenth session).
 __global__ void __launch_bounds__(kThreads, 2) tc3_kernel(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t box_bytes = p.W * p.H * 64;
