@@ -98,6 +98,16 @@ __device__ float4 resolve(const Params& p, int64_t s, uint32_t box_bytes) {
   return make_float4(__uint_as_float(off), xy.x - x0, xy.y - y0, a);
 }
 
+// A table entry's four corner weights (attention x bilinear), corners in
+// the order (x0, y0), (x0 + 1, y0), (x0, y0 + 1), (x0 + 1, y0 + 1).
+__device__ __forceinline__ void corner_weights(const float4& e, float (&cw)[4]) {
+  const float fx = e.y, fy = e.z;
+  cw[0] = e.w * (1.f - fx) * (1.f - fy);
+  cw[1] = e.w * fx * (1.f - fy);
+  cw[2] = e.w * (1.f - fx) * fy;
+  cw[3] = e.w * fx * fy;
+}
+
 // This lane's ldmatrix row within a sample: row L % 8 of matrix L / 8, i.e.
 // corner (L % 8) / 2 at chunk 2 ((L / 8) % 2) + L % 2, as a byte offset
 // from the sample's top-left corner (before the swizzle).
@@ -184,9 +194,8 @@ __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
   for (int pair = blockIdx.x * kWarps + int(threadIdx.x / 32); pair < pairs; pair += gridDim.x * kWarps) {
     {
       const float4 e = resolve(p, int64_t(pair) * 32 + lane, box_bytes);
-      const float fx = e.y, fy = e.z;
-      const float cw[4] = {e.w * (1.f - fx) * (1.f - fy), e.w * fx * (1.f - fy), e.w * (1.f - fx) * fy,
-                           e.w * fx * fy};
+      float cw[4];
+      corner_weights(e, cw);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint16_t hi, lo;
@@ -234,9 +243,8 @@ __global__ void __launch_bounds__(kThreads, 2) tc3_kernel(Params p) {
     {
       const float4 e = resolve(p, int64_t(pair) * 32 + lane, box_bytes);
       const uint32_t pix = __float_as_uint(e.x) / 64u;  // < 2^16: kL W H pixels
-      const float fx = e.y, fy = e.z;
-      const float cw[4] = {e.w * (1.f - fx) * (1.f - fy), e.w * fx * (1.f - fy), e.w * (1.f - fx) * fy,
-                           e.w * fx * fy};
+      float cw[4];
+      corner_weights(e, cw);
       uint32_t words[8];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
@@ -282,9 +290,8 @@ __global__ void __launch_bounds__(kThreads, 2) ffma_kernel(Params p) {
     for (int s = 0; s < kSamples; ++s) {
       const float4 e = table[kSamples * grp + s];
       const uint32_t base = __float_as_uint(e.x) + 16u * j;
-      const float fx = e.y, fy = e.z;
-      const float cw[4] = {e.w * (1.f - fx) * (1.f - fy), e.w * fx * (1.f - fy), e.w * (1.f - fx) * fy,
-                           e.w * fx * fy};
+      float cw[4];
+      corner_weights(e, cw);
       uint4 row[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c)
