@@ -170,14 +170,6 @@ __device__ __forceinline__ uint32_t local_record_index(const BackwardParams& p, 
   return local_record_at(p.pb, uint32_t(nm), l, q, uint32_t(i) - l * P);
 }
 
-template <typename A>
-__device__ __forceinline__ void write_local_record(const BackwardParams& p, const BackwardSample<A>& s,
-                                                   uint32_t o) {
-  const uint32_t cell = local_cell_of(s.b, s.lv.W);
-  static_cast<uint32_t*>(p.local_cell)[o] = cell;
-  if (cell != kNoCell) store_record_weights<A>(static_cast<A*>(p.local_wts) + 4 * int64_t(o), s.b, s.w);
-}
-
 // Writes the attention weight and location gradients of sample i of group
 // `group` (g summed over the group) and, on the deterministic path, its cell
 // key (nm = n M + m of the group (n, q, m), level_base = its level's first
@@ -197,9 +189,9 @@ __device__ __forceinline__ void write_sample_grads(const BackwardParams& p, cons
   if constexpr (kRecord) {
     if (p.local_cell != nullptr) {
       if constexpr (std::is_same_v<Record, std::nullptr_t>) {
-        write_local_record(p, s, local_record_index(p, group, i, nm));
+        write_local_record(p, local_record_index(p, group, i, nm), s.b, s.lv.W, s.w);
       } else {
-        write_local_record(p, s, record());
+        write_local_record(p, record(), s.b, s.lv.W, s.w);
       }
     }
   }

@@ -119,9 +119,7 @@ __global__ void __launch_bounds__(kThreads) local_footprints(const BackwardParam
     float w;
     const float* ref_row = p.ref + (int64_t(nq) * L + l) * p.ref_dim;
     const auto b = resolve_sample<float, LT, true>(p, (int64_t(row) * L + l) * P + pp, row, ref_row, lv, w);
-    const uint32_t c = local_cell_of(b, lv.W);
-    static_cast<uint32_t*>(p.local_cell)[o] = c;
-    if (c != kNoCell) store_record_weights<float>(static_cast<float*>(p.local_wts) + 4 * int64_t(o), b, w);
+    write_local_record(p, o, b, lv.W, w);
   }
 }
 

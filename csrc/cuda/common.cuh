@@ -377,6 +377,16 @@ __device__ __forceinline__ uint32_t local_cell_of(const Bilinear<A>& b, int W) {
   return b.inside && !b.poisoned() ? uint32_t(b.h0 + 1) * uint32_t(W + 1) + uint32_t(b.w0 + 1) : kNoCell;
 }
 
+// Record o: the cell of sample b on a level of width W and, where it adds
+// something, its corner weights times w.
+template <typename A>
+__device__ __forceinline__ void write_local_record(const BackwardParams& p, uint32_t o, const Bilinear<A>& b,
+                                                   int W, A w) {
+  const uint32_t cell = local_cell_of(b, W);
+  static_cast<uint32_t*>(p.local_cell)[o] = cell;
+  if (cell != kNoCell) store_record_weights<A>(static_cast<A*>(p.local_wts) + 4 * int64_t(o), b, w);
+}
+
 // ---- work decomposition ----------------------------------------------------
 // A (n, q, m) group is served by `lanes` consecutive threads (a power of two
 // <= 32, so a group never straddles a warp); lane j owns channels
