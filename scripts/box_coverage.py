@@ -65,7 +65,9 @@ def coverage(wl, loc, extent, margin):
     served = torch.zeros(nl, dtype=torch.float64)
     total = torch.zeros(nl, dtype=torch.float64)
     box_bytes = torch.zeros((), dtype=torch.float64)
-    n_boxes = 0
+    # One box a (tile, head, level): each tile counted once, at its first query.
+    first = (qy == y_lo) & (qx == x_lo)
+    n_boxes = int(first.sum()) * wl.m                                     # (tile, head) pairs
     largest = 0
     for l in range(nl):
         hl, wl_ = levels[l]
@@ -95,13 +97,10 @@ def coverage(wl, loc, extent, margin):
                 any_in_map |= in_map
         served[l] += (ok & any_in_map).sum()
         total[l] += any_in_map.sum()
-        # One box a (tile, head): count each tile once (its first query).
-        first = (qy == y_lo) & (qx == x_lo)
         px = ((bx1 - bx0 + 1) * (by1 - by0 + 1))[first]                   # (tiles, M)
         box_bytes += 64 * px.sum()
-        n_boxes = int(first.sum()) * wl.m
         largest = max(largest, int(px.max()))
-    corner_bytes = 4 * 64 * served.sum() * 1.0
+    corner_bytes = 4 * 64 * served.sum()
     return served / total, served.sum() / total.sum(), box_bytes / n_boxes, largest, corner_bytes / (
         box_bytes * wl.n)
 
