@@ -25,7 +25,6 @@ Printed per workload, tile extent E and margin:
   for double buffering);
 - the corner bytes served per byte staged.
 """
-import math
 import sys
 
 import torch
@@ -59,9 +58,7 @@ def coverage(wl, loc, extent, margin):
     x_lo = (qx // t) * t
     y_hi = torch.minimum(y_lo + t, hq.long()) - 1
     x_hi = torch.minimum(x_lo + t, wq.long()) - 1
-    dirs = torch.stack([torch.cos(2 * math.pi * torch.arange(wl.m) / wl.m),
-                        torch.sin(2 * math.pi * torch.arange(wl.m) / wl.m)], -1).double()  # (M, 2)
-    shift = dirs * (wl.p + 1) / 2                                         # mean (p + 1) dir_m
+    shift = W._directions(wl.m, "cpu") * (wl.p + 1) / 2                  # (M, 2): mean (p + 1) dir_m
     served = torch.zeros(nl, dtype=torch.float64)
     total = torch.zeros(nl, dtype=torch.float64)
     box_bytes = torch.zeros((), dtype=torch.float64)
