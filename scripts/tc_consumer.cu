@@ -2,7 +2,7 @@
 // already sit in shared memory, on tensor cores (ldmatrix + mma) against
 // FFMA? Standalone; no staging, no global-memory fallback. It gives the
 // ceiling a second tensor-core `tma` forward could reach
-// (benchmarks/NOTES.md, fifteenth session).
+// (benchmarks/NOTES.md, fifteenth and sixteenth sessions).
 //
 // Synthetic problem of ddetr_enc's size: `items` (query, head) pairs, each
 // with L = 4 levels x P = 4 points, bf16 value, D = 32, fp32 locations and
@@ -20,6 +20,8 @@
 //   (scripts/box_conflicts.py). One mma.m16n8k16 then adds both samples x 32
 //   channels, with B's 8 columns = (sample slot, chunk bit, weight hi / lo).
 //   The checks in box_conflicts.py verify that fragment algebra.
+// tc2, tc3 and its variants: the same steps with the weights packed once a
+//   sample at resolve (see each kernel).
 // ffma: a group of 4 lanes an item, lane j channels 8 j .. 8 j + 7. Each
 //   sample's entry comes from the same table (8 items a warp), then four
 //   16-byte corner loads and 32 FFMAs a lane: the baseline's gather, from
@@ -86,16 +88,25 @@ __device__ E* block_setup(const Params& p, unsigned char* smem, int per_warp) {
   return reinterpret_cast<E*>(smem + kL * box_bytes) + (threadIdx.x / 32) * per_warp;
 }
 
-// Table entry of sample `s` (item, l, p order): its top-left corner's box
-// byte offset (as float bits), fx, fy, weight.
-__device__ float4 resolve(const Params& p, int64_t s, uint32_t box_bytes) {
-  if (s >= int64_t(p.items) * kSamples) return make_float4(0.f, 0.f, 0.f, 0.f);
+// Sample `s`'s location and attention weight, as read from global memory
+// (zeros past the end).
+__device__ __forceinline__ float3 load_sample(const Params& p, int64_t s) {
+  if (s >= int64_t(p.items) * kSamples) return make_float3(0.f, 0.f, 0.f);
   const float2 xy = p.loc[s];
-  const float a = p.attn[s];
-  const float x0 = floorf(xy.x), y0 = floorf(xy.y);
+  return make_float3(xy.x, xy.y, p.attn[s]);
+}
+
+// Table entry of sample `s` (item, l, p order) from its loaded values: its
+// top-left corner's box byte offset (as float bits), fx, fy, weight.
+__device__ __forceinline__ float4 resolve_loaded(const Params& p, float3 v, int64_t s, uint32_t box_bytes) {
+  const float x0 = floorf(v.x), y0 = floorf(v.y);
   const int l = int(s % kSamples) / kP;
   const uint32_t off = l * box_bytes + (int(y0) * p.W + int(x0)) * 64u;
-  return make_float4(__uint_as_float(off), xy.x - x0, xy.y - y0, a);
+  return make_float4(__uint_as_float(off), v.x - x0, v.y - y0, v.z);
+}
+
+__device__ float4 resolve(const Params& p, int64_t s, uint32_t box_bytes) {
+  return resolve_loaded(p, load_sample(p, s), s, box_bytes);
 }
 
 // A table entry's four corner weights (attention x bilinear), corners in
@@ -223,12 +234,22 @@ __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
 // tc3: tc2 with 32-bit table entries, so that a step's table load is one
 // wavefront: entry (s, q, part) = the top-left corner's box pixel index in
 // the low 16 bits, corner q's weight part (bf16 hi or lo) in the high 16.
-// Compiled (34 registers) but not yet run on a GPU (benchmarks/NOTES.md,
-// fifteenth session).
+// kPlanar (tc3p): the same words in two planes, words 0-3 of every sample
+// then words 4-7, the second plane 8 words past the first's bank, so that
+// the table's stores (16 bytes a lane, consecutive) and its loads are both
+// free of bank conflicts; in tc3 a lane's 32-byte row makes every store a
+// 2-way conflict.
+// kPrefetch (tc3pf): the next pair's locations and weights are read from
+// global memory before this pair's steps, so that their latency hides
+// under the steps instead of stalling the resolve.
+// kInterleave (tc3pfi): the pair's two items step in turn, two independent
+// accumulator chains instead of one chain of 8 dependent mma after another.
+constexpr int kPlane = 136;  // words from plane 0 to plane 1 (128 + 8)
+template <bool kPlanar, bool kPrefetch = false, bool kInterleave = false>
 __global__ void __launch_bounds__(kThreads, 2) tc3_kernel(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t box_bytes = p.W * p.H * 64;
-  uint32_t* table = block_setup<uint32_t>(p, smem, 32 * 8);
+  uint32_t* table = block_setup<uint32_t>(p, smem, kPlanar ? kPlane + 128 : 32 * 8);
   const int lane = threadIdx.x % 32;
   const int g = lane / 4, q = lane % 4, slot = lane / 16;
   const uint32_t corner_off = ldmatrix_row_offset(lane, p.W);
@@ -239,9 +260,14 @@ __global__ void __launch_bounds__(kThreads, 2) tc3_kernel(Params p) {
   const int part = g & 1;
   const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int pairs = (p.items + 1) / 2;
-  for (int pair = blockIdx.x * kWarps + int(threadIdx.x / 32); pair < pairs; pair += gridDim.x * kWarps) {
+  const int first = blockIdx.x * kWarps + int(threadIdx.x / 32), stride = gridDim.x * kWarps;
+  float3 next = kPrefetch ? load_sample(p, int64_t(first) * 32 + lane) : float3{};
+  for (int pair = first; pair < pairs; pair += stride) {
     {
-      const float4 e = resolve(p, int64_t(pair) * 32 + lane, box_bytes);
+      const int64_t s = int64_t(pair) * 32 + lane;
+      const float3 v = kPrefetch ? next : load_sample(p, s);
+      if (kPrefetch) next = load_sample(p, s + int64_t(stride) * 32);
+      const float4 e = resolve_loaded(p, v, s, box_bytes);
       const uint32_t pix = __float_as_uint(e.x) / 64u;  // < 2^16: kL W H pixels
       float cw[4];
       corner_weights(e, cw);
@@ -253,22 +279,36 @@ __global__ void __launch_bounds__(kThreads, 2) tc3_kernel(Params p) {
         words[2 * c] = pix | (uint32_t(hi) << 16);
         words[2 * c + 1] = pix | (uint32_t(lo) << 16);
       }
-      uint4* row = reinterpret_cast<uint4*>(table + 8 * lane);
-      row[0] = make_uint4(words[0], words[1], words[2], words[3]);
-      row[1] = make_uint4(words[4], words[5], words[6], words[7]);
+      uint32_t* w0 = table + (kPlanar ? 4 : 8) * lane;
+      uint32_t* w1 = kPlanar ? w0 + kPlane : w0 + 4;
+      *reinterpret_cast<uint4*>(w0) = make_uint4(words[0], words[1], words[2], words[3]);
+      *reinterpret_cast<uint4*>(w1) = make_uint4(words[4], words[5], words[6], words[7]);
     }
     __syncwarp();
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    auto step_item = [&](float(&acc)[4], int it, int step) {
+      const int sample = 16 * it + 2 * step + slot, word = 2 * q + part;
+      const uint32_t e = kPlanar ? table[(word / 4) * kPlane + 4 * sample + word % 4] : table[8 * sample + word];
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, smem_u32 + swz((e & 0xffffu) * 64u + corner_off));
+      mma_16816<__nv_bfloat16>(acc, a, __byte_perm(e, 0u, sel0), __byte_perm(e, 0u, sel1));
+    };
+    if (kInterleave) {
+      float acc[2][4] = {};
 #pragma unroll
       for (int step = 0; step < kSamples / 2; ++step) {
-        const uint32_t e = table[8 * (16 * it + 2 * step + slot) + 2 * q + part];
-        uint32_t a[4];
-        ldmatrix_x4_trans(a, smem_u32 + swz((e & 0xffffu) * 64u + corner_off));
-        mma_16816<__nv_bfloat16>(acc, a, __byte_perm(e, 0u, sel0), __byte_perm(e, 0u, sel1));
+        step_item(acc[0], 0, step);
+        step_item(acc[1], 1, step);
       }
-      store_item(p, acc, 2 * pair + it, lane);
+      store_item(p, acc[0], 2 * pair, lane);
+      store_item(p, acc[1], 2 * pair + 1, lane);
+    } else {
+#pragma unroll
+      for (int it = 0; it < 2; ++it) {
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int step = 0; step < kSamples / 2; ++step) step_item(acc, it, step);
+        store_item(p, acc, 2 * pair + it, lane);
+      }
     }
     __syncwarp();
   }
@@ -371,11 +411,17 @@ int main(int argc, char** argv) {
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::printf("items %d, samples %lld, box %d x %d, %d SMs\n", items, (long long)n, W, H, sms);
-  const char* names[4] = {"tc", "tc2", "tc3", "ffma"};
-  // Table bytes a warp: tc 32 entries of 16, tc2 128 of 8, tc3 256 of 4, ffma 128 of 16.
-  const size_t table_bytes[4] = {512, 1024, 1024, 2048};
-  for (int mode = 0; mode < 4; ++mode) {
-    auto kernel = mode == 0 ? tc_kernel : mode == 1 ? tc2_kernel : mode == 2 ? tc3_kernel : ffma_kernel;
+  const char* names[7] = {"tc", "tc2", "tc3", "tc3p", "tc3pf", "tc3pfi", "ffma"};
+  // Table bytes a warp: tc 32 entries of 16, tc2 128 of 8, tc3 256 of 4 (tc3p
+  // with 8 words of padding), ffma 128 of 16.
+  const size_t tc3p_bytes = 4 * (kPlane + 128);
+  const size_t table_bytes[7] = {512, 1024, 1024, tc3p_bytes, tc3p_bytes, tc3p_bytes, 2048};
+  void (*kernels[7])(Params) = {tc_kernel,         tc2_kernel,
+                                tc3_kernel<false>, tc3_kernel<true>,
+                                tc3_kernel<true, true>, tc3_kernel<true, true, true>,
+                                ffma_kernel};
+  for (int mode = 0; mode < 7; ++mode) {
+    auto kernel = kernels[mode];
     const size_t bytes = size_t(kL) * W * H * 64 + kWarps * table_bytes[mode];
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
     int per_sm = 0;
