@@ -5,6 +5,9 @@
 
 #include <cstdlib>
 #include <limits>
+#include <vector>
+
+#include "params.h"
 
 namespace msda {
 
@@ -18,6 +21,17 @@ inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& opt
   }();
   if (poison) return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
   return at::empty(sizes, options);
+}
+
+// A tensor of value's shape (N, S, M, D) and layout (pb.value_head_major:
+// the transposed view of a contiguous (N, M, S, D) one), for grad_value and
+// its accumulator: zeroed, or an output the kernels fill completely.
+inline at::Tensor value_shaped(const Problem& pb, const at::TensorOptions& options, bool zeroed) {
+  const bool hm = pb.value_head_major;
+  const std::vector<int64_t> sizes = hm ? std::vector<int64_t>{pb.N, pb.M, pb.S, pb.D}
+                                        : std::vector<int64_t>{pb.N, pb.S, pb.M, pb.D};
+  at::Tensor t = zeroed ? at::zeros(sizes, options) : new_output(sizes, options);
+  return hm ? t.transpose(1, 2) : t;
 }
 
 }  // namespace msda

@@ -22,6 +22,10 @@ struct Problem {
   DType value_dtype = DType::f32;
   DType loc_dtype = DType::f32;  // dtype of locations and weights (same for both)
   bool host_shapes = false;      // the caller passed the level shapes on the host too
+  // value's layout: (N, S, M, D) contiguous, or head-major, the (N, S, M, D)
+  // view of a contiguous (N, M, S, D) tensor (value_row() in sampling.h).
+  // grad_value comes back in the same layout.
+  bool value_head_major = false;
 };
 
 // Samples of a problem: one a (n, q, m, level, point).
@@ -29,7 +33,7 @@ inline int64_t sample_count(const Problem& pb) { return pb.N * pb.Lq * pb.M * pb
 
 struct ForwardParams {
   Problem pb;
-  const void* value = nullptr;            // (N, S, M, D)
+  const void* value = nullptr;            // (N, S, M, D), pb.value_head_major: (N, M, S, D)
   const int64_t* spatial_shapes = nullptr; // (L, 2) on the kernel's device
   const int64_t* level_start = nullptr;    // (L,)
   const void* loc = nullptr;               // (N, Lq, M, L, P, 2)
@@ -54,7 +58,7 @@ struct BackwardParams {
   const void* loc = nullptr;
   const void* attn = nullptr;
   const void* grad_out = nullptr;  // (N, Lq, M * D), value dtype
-  void* grad_value_acc = nullptr;  // (N, S, M, D) in the accumulation type, zeroed;
+  void* grad_value_acc = nullptr;  // value's shape and layout in the accumulation type, zeroed;
                                    // nullptr: no grad_value (deterministic path)
   void* grad_loc = nullptr;        // like loc
   void* grad_attn = nullptr;       // like attn

@@ -112,14 +112,20 @@ MSDA_HD Bilinear<A> make_bilinear(A loc_x, A loc_y, A weight, int H, int W) {
 }
 
 // Flat-index helpers for the tensors of the operator (all contiguous):
-//   value   (N, S, M, D)
+//   value   (N, S, M, D), or (N, M, S, D) when pb.value_head_major
 //   loc     (N, Lq, M, L, P, 2)
 //   attn    (N, Lq, M, L, P)
 //   output  (N, Lq, M * D)
 // A "group" is one (n, q, m) triple, flattened as (n * Lq + q) * M + m; it
 // indexes loc / attn rows (times L * P) and output rows (times D) directly.
-MSDA_HD int64_t value_row(int64_t n, int64_t s, int64_t m, int64_t S, int64_t M) {
-  return (n * S + s) * M + m;  // times D gives the element offset
+// value_row: the row of D elements that holds pixel s of head m of batch n
+// (times D gives the element offset); grad_value and its accumulator share
+// value's layout.
+MSDA_HD int64_t value_row(const Problem& pb, int64_t n, int64_t s, int64_t m) {
+  return pb.value_head_major ? (n * pb.M + m) * pb.S + s : (n * pb.S + s) * pb.M + m;
 }
+
+// Rows of D elements from one pixel of a (n, m) map to the next.
+MSDA_HD int64_t value_pixel_rows(const Problem& pb) { return pb.value_head_major ? 1 : pb.M; }
 
 }  // namespace msda

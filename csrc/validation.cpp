@@ -159,6 +159,7 @@ Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
   pb.S = value.size(1);
   pb.M = value.size(2);
   pb.D = value.size(3);
+  pb.value_head_major = value_is_head_major(value);
   pb.L = static_cast<int>(spatial_shapes.size(0));
   pb.Lq = sampling_locations.size(1);
   pb.P = static_cast<int>(sampling_locations.size(4));
@@ -236,7 +237,7 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   in.loc_dtype_in = sampling_locations.scalar_type();
   in.attn_dtype_in = attention_weights.scalar_type();
   const auto lt = wider(in.loc_dtype_in, in.attn_dtype_in);
-  in.value = value.contiguous();
+  in.value = in.pb.value_head_major ? value : value.contiguous();
   in.spatial_shapes = spatial_shapes.contiguous();
   in.level_start = level_start_index.contiguous();
   in.loc = sampling_locations.to(lt).contiguous();

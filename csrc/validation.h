@@ -43,8 +43,17 @@ Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
 void check_grad_output(const at::Tensor& grad_output, const Problem& pb,
                        const at::Tensor& value);
 
-// The operator's inputs after check_inputs(): contiguous, locations and
-// weights in one dtype (the wider of the two when the caller mixed them).
+// Whether `value` (rank 4) is head-major: not contiguous as (N, S, M, D),
+// but the transpose(1, 2) view of a contiguous (N, M, S, D) tensor. Such a
+// value is read in place (Problem::value_head_major); any other layout is
+// copied to a contiguous one.
+inline bool value_is_head_major(const at::Tensor& value) {
+  return value.dim() == 4 && !value.is_contiguous() && value.transpose(1, 2).is_contiguous();
+}
+
+// The operator's inputs after check_inputs(): contiguous (value possibly
+// head-major, see above), locations and weights in one dtype (the wider of
+// the two when the caller mixed them).
 struct Prepared {
   Problem pb;
   at::Tensor value, spatial_shapes, level_start, loc, attn;

@@ -166,11 +166,20 @@ def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
     return value.new_empty((n, sampling_locations.shape[1], m * d))
 
 
+def _grad_value_fake(value):
+    """grad_value's fake: value's own layout when value is head-major (the
+    transpose(1, 2) view of a contiguous (N, M, S, D) tensor, read in place),
+    else contiguous, as csrc/output.h's value_shaped allocates it."""
+    if value.dim() == 4 and not value.is_contiguous() and value.transpose(1, 2).is_contiguous():
+        return torch.empty_like(value.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
+    return torch.empty_like(value, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("ms_deform_attn::_ms_deform_attn_backward")
 def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                    attention_weights, deterministic=False):
     return (
-        torch.empty_like(value, memory_format=torch.contiguous_format),
+        _grad_value_fake(value),
         torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
         torch.empty_like(attention_weights, memory_format=torch.contiguous_format),
     )
@@ -180,7 +189,7 @@ def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampli
 def _fused_backward_fake(grad_output, value, spatial_shapes, level_start_index, reference_points,
                          sampling_offsets, attention_logits, deterministic=False):
     return (
-        torch.empty_like(value, memory_format=torch.contiguous_format),
+        _grad_value_fake(value),
         torch.empty_like(sampling_offsets, memory_format=torch.contiguous_format),
         torch.empty_like(attention_logits, memory_format=torch.contiguous_format),
     )

@@ -53,6 +53,22 @@ def make_inputs(n, lq, m, d, shapes, p, dtype, loc_dtype=None, device="cpu", out
     return value, shapes_t, start, loc, attn
 
 
+def head_major(value):
+    """The same values stored head-major: the (N, S, M, D) view of a
+    contiguous (N, M, S, D) tensor, which the operator reads in place."""
+    out = value.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    assert not out.is_contiguous() or out.size(2) == 1
+    return out.requires_grad_(value.requires_grad)
+
+
+LAYOUTS = pytest.mark.parametrize("layout", ["contiguous", "head_major"])
+
+
+def in_layout(value, layout):
+    """value as given (contiguous) or head-major (see head_major)."""
+    return head_major(value) if layout == "head_major" else value
+
+
 def bits(t):
     """The raw bytes of t, for bitwise comparisons that NaN (unequal to
     itself) does not break."""

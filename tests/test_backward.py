@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from ms_deform_attn.reference import ms_deform_attn_pytorch
-from helpers import TOL, bits, device_backends, make_inputs, poisoned, reference64_grads, rel_err, run
+from helpers import (LAYOUTS, TOL, bits, device_backends, head_major, in_layout, make_inputs, poisoned,
+                     reference64_grads, rel_err, run)
 
 
 def op(backend, deterministic=None):
@@ -36,17 +37,19 @@ def nondet_tol(deterministic):
 
 
 @MODES
+@LAYOUTS
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("shape", [
     (1, 5, 2, 4, [(4, 5)], 2),
     (2, 6, 3, 8, [(5, 3), (2, 4)], 3),
     (1, 4, 1, 33, [(3, 3), (2, 1), (1, 2)], 1),
 ])
-def test_gradcheck(device, backend, shape, deterministic):
+def test_gradcheck(device, backend, shape, deterministic, layout):
     n, lq, m, d, shapes, p = shape
     value, shapes_t, start, loc, attn = make_inputs(n, lq, m, d, shapes, p, torch.float64,
                                                     device=device, outside=0.2,
                                                     requires_grad=True)
+    value = in_layout(value, layout)
     f = op(backend, deterministic)
     assert torch.autograd.gradcheck(lambda v, l, a: f(v, shapes_t, start, l, a),
                                     (value, loc, attn), eps=1e-6, atol=1e-7,
@@ -226,6 +229,36 @@ def test_gradients_on_workloads(device, backend, workload, dtype, deterministic)
     want = reference64_grads(value, shapes, start, loc, attn, grad)
     for name, g, r in zip(("value", "locations", "weights"), got, want):
         assert rel_err(g, r) <= TOL[dtype], name
+
+
+@MODES
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("workload", ["ddetr_enc/8", "ddetr_enc@smooth/8", "ddetr_dec/4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_head_major_gradients(device, workload, dtype, deterministic):
+    """value head-major: every backward path reads it in place and returns
+    grad_value in the same layout; the deterministic ones give the contiguous
+    value's gradients bit for bit."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from ms_deform_attn import workloads as W
+    wl = W.get(workload)
+    value, shapes, start, loc, attn = W.make_inputs(wl, dtype, torch.float32, device=device,
+                                                    seed=5, requires_grad=True)
+    value_hm = head_major(value)
+    grad = torch.randn(wl.n, wl.queries, wl.m * wl.d, device=device, dtype=dtype)
+    backend = "cpu" if device == "cpu" else "baseline"
+    got = torch.autograd.grad(op(backend, deterministic)(value_hm, shapes, start, loc, attn),
+                              (value_hm, loc, attn), grad)
+    assert got[0].stride() == value_hm.stride()
+    want = reference64_grads(value, shapes, start, loc, attn, grad)
+    for name, g, r in zip(("value", "locations", "weights"), got, want):
+        assert rel_err(g, r) <= TOL[dtype], name
+    if deterministic or device == "cpu":
+        plain = torch.autograd.grad(op(backend, deterministic)(value, shapes, start, loc, attn),
+                                    (value, loc, attn), grad)
+        for name, a, b in zip(("value", "locations", "weights"), got, plain):
+            assert torch.equal(bits(a), bits(b)), name
 
 
 # The deterministic path's corner dots run on tensor cores for 16-bit values

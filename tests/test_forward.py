@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import (DTYPES, TOL, device_backends, make_inputs, poisoned, reference64, reference_gather,
-                     rel_err, run)
+from helpers import (DTYPES, TOL, bits, device_backends, head_major, make_inputs, poisoned, reference64,
+                     reference_gather, rel_err, run)
 
 # (N, Lq, M, D, level shapes, P): covers L 1..5 with non-square levels, P 1..8,
 # D in {8, 16, 30, 32, 64, 128}, M in {1, 8}, N in {1, 3}.
@@ -61,6 +61,38 @@ def test_non_contiguous_inputs(device, backend, dtype):
     buf[1:] = value.flatten()
     out = run(buf[1:].view_as(value), shapes, start, loc, attn, backend)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
+                         ids=["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_head_major_value(device, backend, dtype, case):
+    """value head-major ((N, M, S, D) storage seen as (N, S, M, D)) is read
+    in place and gives the contiguous value's output, bit for bit."""
+    n, lq, m, d, shapes, p = CASES[case]
+    value, shapes_t, start, loc, attn = make_inputs(n, lq, m, d, shapes, p, dtype, torch.float32,
+                                                    device=device, seed=case)
+    expected = run(value, shapes_t, start, loc, attn, backend)
+    out = run(head_major(value), shapes_t, start, loc, attn, backend)
+    assert torch.equal(bits(out), bits(expected))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_head_major_value_is_not_copied():
+    """No copy of a head-major value: the forward's peak allocation stays
+    well under value's size (a contiguous copy would add all of it)."""
+    value, shapes, start, loc, attn = make_inputs(1, 16, 8, 256, [(128, 128)], 1, torch.float32,
+                                                  device="cuda", seed=0)
+    value = head_major(value)  # 128 MiB
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = msda.ms_deform_attn(value, shapes, start, loc, attn)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < value.numel() * value.element_size() // 4
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("device,backend", device_backends())

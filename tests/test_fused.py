@@ -7,7 +7,7 @@ import torch
 import ms_deform_attn as msda
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 from ms_deform_attn.workloads import level_tensors
-from helpers import TOL, device_backends, host_shapes, rel_err, skip_unless_runs
+from helpers import TOL, bits, device_backends, head_major, host_shapes, rel_err, skip_unless_runs
 
 LEVELS = [(6, 7), (3, 4)]
 
@@ -129,6 +129,31 @@ def test_fused_opcheck(device, backend):
     torch.library.opcheck(torch.ops.ms_deform_attn.ms_deform_attn_fused.default,
                           (value, shapes, start, ref, off, logits, backend, None,
                            [x for hw in LEVELS for x in hw]))
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_fused_head_major_value(device, backend, dtype):
+    """The fused operator reads a head-major value in place: the contiguous
+    value's output and (deterministic) gradients bit for bit, grad_value in
+    value's layout."""
+    inputs = fused_inputs(device, dtype, False, lq=11, m=3, d=32, p=4)
+    value, shapes, start, ref, off, logits = inputs
+    skip_unless_runs(backend, value, shapes, start, torch.zeros(*off.shape, device=device),
+                     torch.zeros(*off.shape[:-1], device=device), host_shapes(shapes))
+    grad = None
+    results = []
+    for v in (value, head_major(value)):
+        leaves = [t.detach().requires_grad_() for t in (v, off, logits)]
+        out = msda.ms_deform_attn_fused(leaves[0], shapes, start, ref, leaves[1], leaves[2],
+                                        backend=backend, deterministic=True,
+                                        spatial_shapes_list=LEVELS)
+        grad = torch.randn_like(out) if grad is None else grad
+        grads = torch.autograd.grad(out, leaves, grad)
+        assert grads[0].stride() == leaves[0].stride()
+        results.append((out, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(bits(a), bits(b))
 
 
 def test_fused_keeps_the_raw_inputs_for_the_backward():

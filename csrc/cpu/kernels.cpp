@@ -40,7 +40,7 @@ void forward_impl(const ForwardParams& p, int64_t begin, int64_t end) {
     const int64_t m = g % M, n = g / (pb.Lq * M);
     std::fill(acc.begin(), acc.end(), A(0));
     for (int l = 0; l < pb.L; ++l) {
-      const T* vl = value + value_row(n, lv[l].start, m, pb.S, M) * D;
+      const T* vl = value + value_row(pb, n, lv[l].start, m) * D;
       for (int pt = 0; pt < pb.P; ++pt) {
         const int64_t i = g * LP + l * pb.P + pt;
         const A w = A(attn[i]);
@@ -48,7 +48,7 @@ void forward_impl(const ForwardParams& p, int64_t begin, int64_t end) {
         if (!b.inside) continue;
         for (int k = 0; k < 4; ++k) {
           if (!b.corner_ok(k, lv[l].H, lv[l].W)) continue;
-          const T* v = vl + b.corner_offset(k, lv[l].W) * M * D;
+          const T* v = vl + b.corner_offset(k, lv[l].W) * value_pixel_rows(pb) * D;
           const A wk = w * b.weight(k);
           for (int64_t c = 0; c < D; ++c) acc[c] += wk * A(v[c]);
         }
@@ -78,7 +78,7 @@ void backward_impl(const BackwardParams& p, int64_t begin, int64_t end) {
       const int64_t g = (n * pb.Lq + q) * M + m;
       for (int64_t c = 0; c < D; ++c) go[c] = A(gout[g * D + c]);
       for (int l = 0; l < pb.L; ++l) {
-        const int64_t row0 = value_row(n, lv[l].start, m, pb.S, M);
+        const int64_t row0 = value_row(pb, n, lv[l].start, m);
         for (int pt = 0; pt < pb.P; ++pt) {
           const int64_t i = g * LP + l * pb.P + pt;
           const A w = A(attn[i]);
@@ -88,7 +88,7 @@ void backward_impl(const BackwardParams& p, int64_t begin, int64_t end) {
           if (b.inside) {
             for (int k = 0; k < 4; ++k) {
               if (!b.corner_ok(k, lv[l].H, lv[l].W)) continue;
-              const int64_t off = (row0 + b.corner_offset(k, lv[l].W) * M) * D;
+              const int64_t off = (row0 + b.corner_offset(k, lv[l].W) * value_pixel_rows(pb)) * D;
               const T* v = value + off;
               A* gv = gval + off;
               const A wk = b.weight(k), dlw = b.dweight_dlw(k), dlh = b.dweight_dlh(k);

@@ -47,7 +47,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   check_grad_output(grad_output, pb, value);
   const at::Tensor gout = grad_output.contiguous();
   const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto grad_value_acc = at::zeros(in.value.sizes(), in.value.options().dtype(acc_type));
+  auto grad_value_acc = value_shaped(pb, in.value.options().dtype(acc_type), /*zeroed=*/true);
   auto grad_loc = new_output(in.loc.sizes(), in.loc.options());
   auto grad_attn = new_output(in.attn.sizes(), in.attn.options());
   if (pb.N * pb.Lq * pb.M > 0) {

@@ -255,10 +255,10 @@ __global__ void __launch_bounds__(kThreads)
   const bool active = group < pb.N * pb.Lq * pb.M;
   const int lane = static_cast<int>(tid % lanes);
   const int64_t m = group % pb.M, n = group / (pb.Lq * pb.M);
-  const int64_t row_stride = pb.M * pb.D;
+  const int64_t row_stride = value_pixel_rows(pb) * pb.D;
   const unsigned vstride = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
   const uint64_t gstride = static_cast<uint64_t>(row_stride) * sizeof(A);
-  const int64_t vrow0 = value_row(n, 0, m, pb.S, pb.M) * pb.D;
+  const int64_t vrow0 = value_row(pb, n, 0, m) * pb.D;
   const T* vbase = static_cast<const T*>(p.value) + vrow0;
   A* gvbase = value_grad ? static_cast<A*>(p.grad_value_acc) + vrow0 : nullptr;
   const auto [loc, attn] = query_row<LT>(p, group);
@@ -675,8 +675,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       if (s.b.inside) {
         int pix[4];
         clamped_corners(s.b, s.lv.H, s.lv.W, pix);
-        const uint32_t r0 = static_cast<uint32_t>(value_row(n, s.lv.start, m, pb.S, pb.M));
-        const uint32_t M = static_cast<uint32_t>(pb.M);
+        const uint32_t r0 = static_cast<uint32_t>(value_row(pb, n, s.lv.start, m));
+        const uint32_t M = static_cast<uint32_t>(value_pixel_rows(pb));
         rows = make_uint4(r0 + uint32_t(pix[0]) * M, r0 + uint32_t(pix[1]) * M,
                           r0 + uint32_t(pix[2]) * M, r0 + uint32_t(pix[3]) * M);
       }

@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 4)
     }
     const Id above = bnd[0][2] - bnd[0][0];               // entries of the row of cells above
     const Id count = above + (bnd[1][2] - bnd[1][0]);     // uniform over the pixel's slots
-    T* out = grad_value + value_row(n, lv.start + int64_t(pix), m, pb.S, pb.M) * pb.D;
+    T* out = grad_value + value_row(pb, n, lv.start + int64_t(pix), m) * pb.D;
     for (int64_t c0 = 0; c0 < pb.D; c0 += int64_t(lanes) * VEC) {
       const int64_t c = c0 + q * VEC;
       const bool c_ok = c < pb.D;  // VEC > 1 only when VEC divides D
@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 3)
           const int y = y0 + (lane / 4) / 4 + 2 * half, x = x0 + (lane / 4) % 4;
           if (y < lv.H && x < lv.W) {
             T* out = grad_value +
-                     value_row(n, lv.start + int64_t(y) * lv.W + x, m, pb.S, pb.M) * pb.D + cp +
+                     value_row(pb, n, lv.start + int64_t(y) * lv.W + x, m) * pb.D + cp +
                      2 * (lane % 4);
 #pragma unroll
             for (int c = 0; c < 4; ++c) {

@@ -272,13 +272,14 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     // the one below (corners 3 / 2, into `nxt`, which becomes the next
     // pixel's start). The sums' order is that of a pixel walking its four
     // cells, so the bits do not depend on the segments. Addresses as a base
-    // and 32-bit byte strides (a query's grad_output row, a pixel's value
-    // row: M D elements, checked < 4 GiB).
+    // and 32-bit byte strides (a query's grad_output row, M D elements, and
+    // a pixel's grad_value row, M D or D elements: checked < 4 GiB).
     using R = typename RawVec<sizeof(T) * VEC>::type;
     const unsigned row_bytes = static_cast<unsigned>(pb.M * pb.D * sizeof(T));
+    const unsigned pixel_bytes = static_cast<unsigned>(value_pixel_rows(pb) * pb.D * sizeof(T));
     const char* gbase = reinterpret_cast<const char*>(gout + (n * pb.Lq * pb.M + m) * pb.D + ql * VEC);
     char* obase = reinterpret_cast<char*>(
-        grad_value + value_row(n, lv.start + int64_t(r0) * lv.W + c0, m, pb.S, pb.M) * pb.D + ql * VEC);
+        grad_value + value_row(pb, n, lv.start + int64_t(r0) * lv.W + c0, m) * pb.D + ql * VEC);
     // A sample's weights as pairs: (w0, w2) for the cell right of the
     // column, (w1, w3) for the cell at it: (above, below) pixel.
     const float2* wpair = reinterpret_cast<const float2*>(wts + base);
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
             nxt[e] = A(0);
           }
           walk_run(py + 1, true);
-          char* out = obase + uint64_t(static_cast<uint32_t>(py * lv.W + px)) * row_bytes;
+          char* out = obase + uint64_t(static_cast<uint32_t>(py * lv.W + px)) * pixel_bytes;
           store_vec<T, VEC>(reinterpret_cast<T*>(out + cb), cur);
         }
       }

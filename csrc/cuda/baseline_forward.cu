@@ -29,9 +29,9 @@ __global__ void __launch_bounds__(kThreads, 4)
   if (group >= pb.N * pb.Lq * pb.M) return;
   const int lane = static_cast<int>(tid % lanes);
   const int64_t m = group % pb.M, n = group / (pb.Lq * pb.M);
-  const int64_t row_stride = pb.M * pb.D;  // elements between neighbouring pixels
+  const int64_t row_stride = value_pixel_rows(pb) * pb.D;  // elements between neighbouring pixels
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
-  const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
+  const T* vbase = static_cast<const T*>(p.value) + value_row(pb, n, 0, m) * pb.D;
   const auto [loc, attn] = query_row<LT>(p, group);
   T* out = static_cast<T*>(p.out) + group * pb.D;
 

@@ -108,9 +108,9 @@ __global__ void __launch_bounds__(kCThreads, 1)
 
   const int64_t nm = blockIdx.x >> log2c;  // one cluster per (n, m)
   const int64_t n = nm / pb.M, m = nm % pb.M;
-  const int64_t row_stride = pb.M * pb.D;
+  const int64_t row_stride = value_pixel_rows(pb) * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
-  const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
+  const T* vbase = static_cast<const T*>(p.value) + value_row(pb, n, 0, m) * pb.D;
   const int vecs_per_px = static_cast<int>(pb.D / VEC);  // D % VEC == 0 (binding)
 
   // Load phase: this block's pixels s = rank, rank + C, ... of every cached level.

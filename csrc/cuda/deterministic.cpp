@@ -55,7 +55,7 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   b.cells = pb.N * pb.M * p.cell_stride;
   b.end_bit = bits_for(b.cells);
   b.wide = b.cells >= int64_t(UINT32_MAX) || b.items >= int64_t(UINT32_MAX);
-  if (b.items == 0) return at::zeros(in.value.sizes(), in.value.options());
+  if (b.items == 0) return value_shaped(in.pb, in.value.options(), /*zeroed=*/true);
   if (grad_value_path() != GradValuePath::sorted && cuda::local_value_grad_ok(p)) {
     // Block-local: the dots kernel writes each sample's record (20 bytes)
     // instead of a key; the other scratch is the blocks' work counter.
@@ -65,7 +65,7 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
                                    in.value.options().dtype(at::kByte));
     cuda::local_value_grad_records(p, records.data_ptr());
     C10_CUDA_CHECK(cuda::backward(p, stream));
-    at::Tensor grad_value = new_output(in.value.sizes(), in.value.options());
+    at::Tensor grad_value = value_shaped(in.pb, in.value.options(), /*zeroed=*/false);
     at::Tensor counter = at::zeros({1}, in.value.options().dtype(at::kInt));
     C10_CUDA_CHECK(cuda::local_value_grad(p, grad_value.data_ptr(),
                                           reinterpret_cast<unsigned*>(counter.data_ptr<int>()), stream));
@@ -93,7 +93,7 @@ at::Tensor deterministic_grad_value(BackwardParams p, const Prepared& in, cudaSt
   const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor weights = at::empty({4 * b.items}, in.value.options().dtype(acc_type));
   b.weights = weights.data_ptr();
-  at::Tensor grad_value = new_output(in.value.sizes(), in.value.options());
+  at::Tensor grad_value = value_shaped(in.pb, in.value.options(), /*zeroed=*/false);
   b.grad_value = grad_value.data_ptr();
   // 16 bytes of the value dtype per lane (32 bytes of the fp32 accumulator
   // measured slower, benchmarks/NOTES.md).

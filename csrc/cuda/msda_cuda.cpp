@@ -151,8 +151,8 @@ int pick_backward_vec(BackwardParams& p, const Prepared& in, bool sorted) {
 at::Tensor grad_value_of(BackwardParams& p, const Prepared& in, bool sorted, cudaStream_t stream) {
   if (sorted) return cuda::deterministic_grad_value(p, in, stream);
   const auto vt = in.value.scalar_type();
-  auto acc = at::zeros(in.value.sizes(),
-                       in.value.options().dtype(vt == at::kDouble ? at::kDouble : at::kFloat));
+  auto acc = value_shaped(in.pb, in.value.options().dtype(vt == at::kDouble ? at::kDouble : at::kFloat),
+                          /*zeroed=*/true);
   if (in.pb.N * in.pb.Lq * in.pb.M > 0) {
     p.grad_value_acc = acc.data_ptr();
     C10_CUDA_CHECK(cuda::backward(p, stream));

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kPThreads, 1)
   const int q_per_round = 32 / lanes;
   const int64_t NM = pb.N * pb.M;
   const int64_t units = (pb.Lq + kWarpQueries - 1) / kWarpQueries;
-  const int64_t row_stride = pb.M * pb.D;
+  const int64_t row_stride = value_pixel_rows(pb) * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
   const int d32 = static_cast<int>(pb.D);
   const int vecs_per_px = static_cast<int>(pb.D / VEC);  // cache copy: D % VEC == 0
@@ -96,7 +96,7 @@ __global__ void __launch_bounds__(kPThreads, 1)
       __syncthreads();  // s_unit is rewritten next iteration
       continue;
     }
-    const T* vbase = static_cast<const T*>(p.value) + value_row(n, 0, m, pb.S, pb.M) * pb.D;
+    const T* vbase = static_cast<const T*>(p.value) + value_row(pb, n, 0, m) * pb.D;
     for (int l = 0; l < pb.L; ++l) {
       if (cache_off[l] < 0) continue;
       const T* src = vbase + levels[l].start * row_stride;

@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     }
   };
 
-  const int64_t row_stride = pb.M * pb.D;
+  const int64_t row_stride = value_pixel_rows(pb) * pb.D;
   const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
 
   int64_t item = blockIdx.x;
@@ -271,7 +271,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     if (w.q < 0) continue;  // whole groups: the group's lanes agree
     const int64_t group = (w.n * pb.Lq + w.q) * pb.M + w.m;
     const auto [loc, attn] = query_row<LT>(p, group);
-    const T* vbase = static_cast<const T*>(p.value) + value_row(w.n, 0, w.m, pb.S, pb.M) * pb.D;
+    const T* vbase = static_cast<const T*>(p.value) + value_row(pb, w.n, 0, w.m) * pb.D;
     const StageBoxes& b = boxes[s];
     forward_row<T, LT, VEC>(
         pb, levels, loc, attn, static_cast<T*>(p.out) + group * pb.D, lane, lanes, slots,

@@ -70,7 +70,8 @@ cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int6
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   std::vector<int64_t> key = {device, int64_t(reinterpret_cast<uintptr_t>(p.value)),
-                              int64_t(pb.value_dtype), pb.N, pb.S, pb.M, pb.D, pb.L,
+                              int64_t(pb.value_dtype), int64_t(pb.value_head_major),
+                              pb.N, pb.S, pb.M, pb.D, pb.L,
                               tile_w, tile_h, stage_budget};
   key.insert(key.end(), p.host_shapes, p.host_shapes + 2 * pb.L);
   static std::mutex mu;
@@ -100,15 +101,16 @@ cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int6
     t.W[l] = static_cast<int>(W);
     t.start[l] = start;
     if (t.box_w[l] > 0) {
+      // Dimensions (D, M, W, H, N) over either value layout (value_row()).
+      const int64_t pixel = value_pixel_rows(pb) * px_bytes, head = pb.value_head_major ? pb.S * px_bytes : px_bytes;
       const cuuint64_t dims[5] = {cuuint64_t(pb.D), cuuint64_t(pb.M), cuuint64_t(W), cuuint64_t(H),
                                   cuuint64_t(pb.N)};
-      const cuuint64_t strides[4] = {cuuint64_t(px_bytes), cuuint64_t(pb.M * px_bytes),
-                                     cuuint64_t(W * pb.M * px_bytes),
+      const cuuint64_t strides[4] = {cuuint64_t(head), cuuint64_t(pixel), cuuint64_t(W * pixel),
                                      cuuint64_t(pb.S * pb.M * px_bytes)};
       const cuuint32_t box[5] = {cuuint32_t(pb.D), 1, cuuint32_t(t.box_w[l]),
                                  cuuint32_t(t.box_h[l]), 1};
       const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
-      void* base = static_cast<char*>(const_cast<void*>(p.value)) + start * pb.M * px_bytes;
+      void* base = static_cast<char*>(const_cast<void*>(p.value)) + start * pixel;
       const CUresult r = encode(&t.map[l], map_dtype(pb.value_dtype), 5, base, dims, strides, box,
                                 unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
