@@ -16,6 +16,8 @@ Implementations:
                 the operator (ms_deform_attn_fused; the module's default)
   fused-recompute  fused with recompute=True: the operator's inputs (value,
                 offsets, logits) formed again at the backward instead of kept
+  fused-hm      fused with value_layout="head_major": value_proj writes value
+                (N, M, S, D), read in place by the operator
   pytorch       the same module on the grid_sample reference
   transformers  transformers' DeformableDetrMultiscaleDeformableAttention on its own
                 path, the same weights
@@ -28,7 +30,7 @@ counted with torch.autograd.graph.saved_tensors_hooks, which do not see
 those the recomputing layers save under their own hooks; kept_bytes on a
 GPU: the memory a forward leaves allocated besides its output), and on a
 GPU the peak memory of a step of --encoder-layers stacked layers (residual
-connections). On a GPU, ours, fused, fused-recompute and swapped are also
+connections). On a GPU, ours, fused, fused-recompute, fused-hm and swapped are also
 timed as CUDA-graph replays (fwd_graph_us, fwdbwd_graph_us: GPU time alone;
 the other two read the level shapes on the host and cannot be captured).
 
@@ -72,7 +74,7 @@ if os.environ.get("MSDA_PLAIN_LINEARS") == "1":
 
 from .timing import time_cpu, time_cuda
 
-IMPLS = ("ours", "fused", "fused-recompute", "pytorch", "transformers", "swapped")
+IMPLS = ("ours", "fused", "fused-recompute", "fused-hm", "pytorch", "transformers", "swapped")
 DTYPES = ("fp32", "bf16")
 
 
@@ -87,7 +89,7 @@ def _time(device: str, step: Callable[[], object], target_ms: float, graph: bool
 
 # Layers a CUDA graph can capture: no host reads of device tensors (the
 # grid_sample reference and transformers' own path read the level shapes).
-GRAPHABLE = ("ours", "fused", "fused-recompute", "swapped")
+GRAPHABLE = ("ours", "fused", "fused-recompute", "fused-hm", "swapped")
 
 
 def _autocast(device: str, dtype: str, cache: bool = True):
@@ -115,9 +117,10 @@ def make_layer(impl: str, wl: W.Workload, d_model: int, device: str) -> torch.nn
     base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto", fused=False)
     if impl == "ours":
         return base.to(device)
-    if impl in ("fused", "fused-recompute"):
+    if impl in ("fused", "fused-recompute", "fused-hm"):
         base.fused = True
         base.recompute = impl == "fused-recompute"
+        base.value_layout = "head_major" if impl == "fused-hm" else "standard"
         return base.to(device)
     if impl == "pytorch":
         mod = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="pytorch")

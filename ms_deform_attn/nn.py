@@ -68,6 +68,56 @@ def _remake_linear(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype,
     return fn
 
 
+class _HeadMajorProjection(torch.autograd.Function):
+    """value = x W^T + b with x (N, S, C), written head-major: (N, M, S, D)
+    storage, returned as its (N, S, M, D) view, which the operator reads in
+    place. One batched GEMM a batch entry (the heads the batch, x shared at
+    batch stride 0), the bias added in place. Its backward copies the
+    head-major gradient to (N S, M D) once and forms linear's three
+    gradients from it."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, heads):
+        n, s, c = x.shape
+        d = weight.shape[0] // heads
+        wt = weight.view(heads, d, c).transpose(1, 2)
+        b = None if bias is None else bias.view(1, heads, 1, d)
+        if torch.compiler.is_compiling():
+            # Traced (compile, export): no out= (export refuses it with grad
+            # on) and no in-place add; the compiler places the products.
+            out = torch.stack([torch.bmm(x[i].expand(heads, s, c), wt) for i in range(n)])
+            out = out if b is None else out + b
+        else:
+            out = x.new_empty(n, heads, s, d)
+            for i in range(n):
+                torch.bmm(x[i].expand(heads, s, c), wt, out=out[i])
+            if b is not None:
+                out.add_(b)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return out.transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        n, s, heads, d = grad.shape
+        g = grad.reshape(n * s, heads * d)
+        gx = (g @ weight).view(n, s, -1) if ctx.needs_input_grad[0] else None
+        gw = g.t() @ x.reshape(n * s, -1) if ctx.needs_input_grad[1] else None
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def head_major_linear(module: nn.Linear, x: torch.Tensor, heads: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """module(x) (x (N, S, C), module an nn.Linear) in `dtype` (autocast's
+    dtype where it casts), written head-major: the (N, S, M, D) view of a
+    contiguous (N, M, S, D) tensor (_HeadMajorProjection)."""
+    bias = None if module.bias is None else module.bias.to(dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return _HeadMajorProjection.apply(x.to(dtype), module.weight.to(dtype), bias, heads)
+
+
 def recomputing(remakes: Sequence[Tuple[torch.Tensor, Callable[[], torch.Tensor]]]):
     """A context under which autograd, saving a tensor of `remakes` ((tensor,
     fn) pairs) for the backward, keeps fn instead and calls it at the
@@ -97,7 +147,8 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
             padding_mask: Optional[torch.Tensor] = None, recompute: bool = False):
     """The three projections of an attention layer with Deformable DETR's
     linears and sizes (MSDeformAttn, transformers' layer): value (N, S, M, D),
-    zero at padding (padding_mask (N, S) True), sampling offsets
+    zero at padding (padding_mask (N, S) True), head-major when the layer's
+    `value_layout` is "head_major" (head_major_linear), sampling offsets
     (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P). Under
     autocast the query is cast once for the offsets' and the logits' linears
     (autocast would cast a non-leaf query once for each, and keep both
@@ -125,8 +176,14 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
         # reads it; the remake casts it again.
         input_flatten = input_flatten.to(low)
     heads, d_head = layer.n_heads, layer.d_model // layer.n_heads
+    head_major = (getattr(layer, "value_layout", "standard") == "head_major"
+                  and type(layer.value_proj) is nn.Linear)
 
     def value_of(v):
+        if head_major:  # masked in its (N, M, S, D) storage order, which the result keeps
+            if padding_mask is not None:
+                v = v.transpose(1, 2).masked_fill(padding_mask[:, None, :, None], 0.0).transpose(1, 2)
+            return v
         if padding_mask is not None:
             v = v.masked_fill(padding_mask[..., None], 0.0)
         return v.view(n, s, heads, d_head)
@@ -137,7 +194,10 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
     def logits_of(a):
         return a.view(n, lq, heads, layer.n_levels * layer.n_points)
 
-    value = value_of(linear(layer.value_proj, input_flatten))
+    if head_major:
+        value = value_of(head_major_linear(layer.value_proj, input_flatten, heads, v_dtype))
+    else:
+        value = value_of(linear(layer.value_proj, input_flatten))
     offsets = offsets_of(linear(layer.sampling_offsets, query))
     logits = logits_of(linear(layer.attention_weights, query))
     remakes = []
@@ -146,7 +206,10 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and not torch.jit.is_scripting() and not torch.onnx.is_in_onnx_export()):
         # Under a compiler its partitioner chooses what to keep.
-        remakes = [(value, _remake_linear(layer.value_proj, input_flatten, v_dtype, value_of)),
+        value_remake = (
+            (lambda: value_of(head_major_linear(layer.value_proj, input_flatten, heads, v_dtype)))
+            if head_major else _remake_linear(layer.value_proj, input_flatten, v_dtype, value_of))
+        remakes = [(value, value_remake),
                    (offsets, _remake_linear(layer.sampling_offsets, query, q_dtype, offsets_of)),
                    (logits, _remake_linear(layer.attention_weights, query, q_dtype, logits_of))]
     return value, offsets, logits, remakes
@@ -178,10 +241,17 @@ class MSDeformAttn(nn.Module):
             more time under bf16 autocast and more in float32 (BENCHMARKS.md
             "Seventh run: recomputed projections"). Not under torch.compile,
             whose partitioner makes this choice itself.
+        value_layout: "standard" (default): value_proj's output viewed as
+            (N, S, M, D). "head_major": value_proj writes value as
+            (N, M, S, D), one batched GEMM a batch entry, which the operator
+            reads in place (two horizontally adjacent corners of a head are
+            then contiguous), and grad_value comes back in that layout,
+            copied once for value_proj's backward.
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
-                 backend: str = "auto", fused: bool = True, recompute: bool = False):
+                 backend: str = "auto", fused: bool = True, recompute: bool = False,
+                 value_layout: str = "standard"):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}")
@@ -197,6 +267,9 @@ class MSDeformAttn(nn.Module):
         self.backend = backend
         self.fused = fused
         self.recompute = recompute
+        if value_layout not in ("standard", "head_major"):
+            raise ValueError(f'value_layout must be "standard" or "head_major", got {value_layout!r}')
+        self.value_layout = value_layout
         self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
         self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
         self.value_proj = nn.Linear(d_model, d_model)

@@ -30,10 +30,13 @@ def module_inputs(device, n=2, lq=17, d_model=64, boxes=False, mask=False, seed=
     return query, ref, flat, shapes, start, pad, LEVELS
 
 
-def make_pair(device, backend, d_model=64, n_heads=8, n_points=3, fused=False):
+VALUE_LAYOUTS = pytest.mark.parametrize("layout", ["standard", "head_major"])
+
+
+def make_pair(device, backend, d_model=64, n_heads=8, n_points=3, fused=False, layout="standard"):
     torch.manual_seed(1)
     ours = MSDeformAttn(d_model, len(LEVELS), n_heads, n_points, backend=backend,
-                        fused=fused).to(device)
+                        fused=fused, value_layout=layout).to(device)
     # Random weights so that the comparison exercises every parameter.
     with torch.no_grad():
         for p in ours.parameters():
@@ -90,12 +93,13 @@ def test_initialisation_matches_deformable_detr():
     assert m.value_proj.weight.abs().max() <= bound
 
 
+@VALUE_LAYOUTS
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
 @pytest.mark.parametrize("mask", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_module_matches_reference_module(device, backend, boxes, mask, fused):
-    ours, ref = make_pair(device, backend, fused=fused)
+def test_module_matches_reference_module(device, backend, boxes, mask, fused, layout):
+    ours, ref = make_pair(device, backend, fused=fused, layout=layout)
     args = module_inputs(device, boxes=boxes, mask=mask)
     out = ours(*args)
     expected = ref(*args)
@@ -105,6 +109,44 @@ def test_module_matches_reference_module(device, backend, boxes, mask, fused):
     expected.square().sum().backward()
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         assert rel_err(p.grad, q.grad.double()) <= 1e-4, name
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+def test_head_major_value_reaches_the_operator(device, backend, fused, autocast, monkeypatch):
+    """value_layout="head_major": value_proj's output goes to the operator
+    head-major (no copy on the way), masked at padding; the layer's output
+    and gradients are the standard layout's within the GEMMs' rounding."""
+    import ms_deform_attn.nn as msnn
+    seen = []
+    for name in ("ms_deform_attn", "ms_deform_attn_fused"):
+        real = getattr(msnn, name)
+
+        def spy(value, *rest, real=real, **kw):
+            seen.append(value.stride())
+            return real(value, *rest, **kw)
+        monkeypatch.setattr(msnn, name, spy)
+    args = module_inputs(device, mask=True)
+    results = []
+    for layout in ("standard", "head_major"):
+        layer, _ = make_pair(device, backend, fused=fused, layout=layout)
+        query, flat = (t.clone().requires_grad_() for t in (args[0], args[2]))
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = layer(query, args[1], flat, *args[3:])
+        grads = torch.autograd.grad(out.float().square().sum(), [query, flat, *layer.parameters()])
+        results.append((out, grads))
+    n, s, m, d = 2, flat.shape[1], 8, 8
+    assert seen == [(s * m * d, m * d, d, 1), (m * s * d, d, s * d, 1)]
+    tol = 2e-2 if autocast else 1e-5
+    for a, b in zip([results[0][0], *results[0][1]], [results[1][0], *results[1][1]]):
+        assert a.dtype == b.dtype
+        assert rel_err(b, a.double()) <= tol
+
+
+def test_value_layout_is_checked():
+    with pytest.raises(ValueError, match="value_layout"):
+        MSDeformAttn(64, 3, 8, 3, value_layout="nhwc")
 
 
 def test_bad_reference_points():
@@ -156,16 +198,17 @@ def test_autocast_module(device, backend, fused):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ours.parameters())
 
 
+@VALUE_LAYOUTS
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("boxes,mask", [(False, False), (True, True)], ids=["points", "boxes-mask"])
-def test_recompute_matches_keeping(device, backend, autocast, boxes, mask):
+def test_recompute_matches_keeping(device, backend, autocast, boxes, mask, layout):
     # The fused layer forming value, offsets and logits again at the
     # backward: the same output and gradients as keeping them.
     args = module_inputs(device, boxes=boxes, mask=mask)
     results = []
     for recompute in (True, False):
-        layer, _ = make_pair(device, backend, fused=True)
+        layer, _ = make_pair(device, backend, fused=True, layout=layout)
         layer.recompute = recompute
         query, flat = (t.clone().requires_grad_() for t in (args[0], args[2]))
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
@@ -291,18 +334,20 @@ def encoder_inputs(device):
     return src, ref, shapes, start
 
 
+@VALUE_LAYOUTS
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_compile_module_and_model_fullgraph(device, backend, fused):
+def test_compile_module_and_model_fullgraph(device, backend, fused, layout):
     torch._dynamo.reset()
     compiler = "aot_eager" if device == "cpu" else "inductor"
-    ours, _ = make_pair(device, backend, fused=fused)
+    ours, _ = make_pair(device, backend, fused=fused, layout=layout)
     args = module_inputs(device, mask=True)
     compiled = torch.compile(ours, fullgraph=True, backend=compiler)
     torch.testing.assert_close(compiled(*args), ours(*args), rtol=1e-4, atol=1e-5)
     model = TinyEncoder(backend=backend).to(device)
     for layer in model.layers:
         layer.fused = fused
+        layer.value_layout = layout
     inputs = encoder_inputs(device)
     compiled_model = torch.compile(model, fullgraph=True, backend=compiler)
     out = compiled_model(*inputs)
@@ -311,12 +356,14 @@ def test_compile_module_and_model_fullgraph(device, backend, fused):
     assert all(p.grad is not None for p in model.parameters())
 
 
+@VALUE_LAYOUTS
 @pytest.mark.parametrize("device,backend", device_backends())
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-def test_export_has_one_op_node(device, backend, fused):
+def test_export_has_one_op_node(device, backend, fused, layout):
     model = TinyEncoder(backend=backend).to(device).eval()
     for layer in model.layers:
         layer.fused = fused
+        layer.value_layout = layout
     ep = torch.export.export(model, encoder_inputs(device))
     op = torch.ops.ms_deform_attn.ms_deform_attn_fused if fused else torch.ops.ms_deform_attn.ms_deform_attn
     nodes = [n for n in ep.graph.nodes if n.op == "call_function" and n.target == op.default]
@@ -325,12 +372,14 @@ def test_export_has_one_op_node(device, backend, fused):
     torch.testing.assert_close(ep.module()(*inputs), model(*inputs))
 
 
+@VALUE_LAYOUTS
 @pytest.mark.parametrize("device,backend", [p for p in device_backends() if p.values[0] == "cuda"])
 @pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
-def test_cuda_graph_training_step(device, backend, fused):
+def test_cuda_graph_training_step(device, backend, fused, layout):
     model = TinyEncoder(backend=backend).to(device)
     for layer in model.layers:
         layer.fused = fused
+        layer.value_layout = layout
     static = encoder_inputs(device)
 
     def step():
