@@ -3,7 +3,8 @@
 block-local sort), every dtype, locations inside, outside, on pixel centres and
 level borders, NaN and infinite; D that takes the vector and the scalar
 paths; the persistent backend with no shared-memory cache; the block-local
-path above 4096 samples a (n, m, level). Prints the cases
+path above 4096 samples a (n, m, level); value head-major on every backend
+and path. Prints the cases
 run; any sanitizer report fails the stage (--error-exitcode).
 
     compute-sanitizer --tool memcheck python tests/sanitize_suite.py
@@ -16,7 +17,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
-from helpers import make_inputs  # noqa: E402
+from helpers import head_major, make_inputs  # noqa: E402
 
 # The backward's grad_value paths (MS_DEFORM_ATTN_GRAD_VALUE): atomics, the
 # global sort, the block-local sort (where it applies; else the global one).
@@ -65,6 +66,28 @@ def main() -> int:
                                               deterministic=det, spatial_shapes_list=levels)
                     torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
                     count += 1
+    # value head-major ((N, M, S, D) storage, read in place): every backend
+    # (tma with its default boxes and with boxes of a few pixels) and path.
+    levels = [(5, 7), (3, 2), (1, 1)]
+    for budget in (None, "1024"):
+        if budget is None:
+            os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
+        else:
+            os.environ["MS_DEFORM_ATTN_SMEM_BUDGET"] = budget
+        for backend in msda.available_backends("cuda"):
+            for dtype in (torch.bfloat16, torch.float32):
+                value, shapes, start, loc, attn = make_inputs(2, 13, 3, 32, levels, 3, dtype,
+                                                              torch.float32, outside=0.3, seed=count)
+                shapes, start = shapes.cuda(), start.cuda()
+                value = head_major(value.cuda()).requires_grad_()
+                loc, attn = [t.cuda().requires_grad_() for t in (loc, attn)]
+                for det, path in PATHS:
+                    os.environ["MS_DEFORM_ATTN_GRAD_VALUE"] = path
+                    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                                              deterministic=det, spatial_shapes_list=levels)
+                    torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
+                    count += 1
+    os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
     # Crowded levels: the global sort's grad_value tiles split over several
     # warps, and the block-local path's crowded cells (its radix sort; bf16,
     # one and two 32-channel passes).
