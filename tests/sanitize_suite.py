@@ -34,6 +34,16 @@ def cases():
                 yield dtype, loc_dtype, d
 
 
+def every_path(value, shapes, start, loc, attn, backend, levels) -> int:
+    """Forward and backward on each grad_value path; the cases run."""
+    for det, path in PATHS:
+        os.environ["MS_DEFORM_ATTN_GRAD_VALUE"] = path
+        out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+                                  deterministic=det, spatial_shapes_list=levels)
+        torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
+    return len(PATHS)
+
+
 def main() -> int:
     count = 0
     # Default cache or staging buffers, none (global reads only), and a tiny
@@ -60,12 +70,7 @@ def main() -> int:
                 if msda.backend_reason(backend, value, shapes, start, loc, attn,
                                        spatial_shapes_list=levels):
                     continue  # e.g. tma with float64 values
-                for det, path in PATHS:
-                    os.environ["MS_DEFORM_ATTN_GRAD_VALUE"] = path
-                    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
-                                              deterministic=det, spatial_shapes_list=levels)
-                    torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
-                    count += 1
+                count += every_path(value, shapes, start, loc, attn, backend, levels)
     # value head-major ((N, M, S, D) storage, read in place): every backend
     # (tma with its default boxes and with boxes of a few pixels) and path.
     levels = [(5, 7), (3, 2), (1, 1)]
@@ -81,12 +86,7 @@ def main() -> int:
                 shapes, start = shapes.cuda(), start.cuda()
                 value = head_major(value.cuda()).requires_grad_()
                 loc, attn = [t.cuda().requires_grad_() for t in (loc, attn)]
-                for det, path in PATHS:
-                    os.environ["MS_DEFORM_ATTN_GRAD_VALUE"] = path
-                    out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
-                                              deterministic=det, spatial_shapes_list=levels)
-                    torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
-                    count += 1
+                count += every_path(value, shapes, start, loc, attn, backend, levels)
     os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
     # Crowded levels: the global sort's grad_value tiles split over several
     # warps, and the block-local path's crowded cells (its radix sort; bf16,
