@@ -676,9 +676,9 @@ __global__ void __launch_bounds__(kThreads, 4)
         int pix[4];
         clamped_corners(s.b, s.lv.H, s.lv.W, pix);
         const uint32_t r0 = static_cast<uint32_t>(value_row(pb, n, s.lv.start, m));
-        const uint32_t M = static_cast<uint32_t>(value_pixel_rows(pb));
-        rows = make_uint4(r0 + uint32_t(pix[0]) * M, r0 + uint32_t(pix[1]) * M,
-                          r0 + uint32_t(pix[2]) * M, r0 + uint32_t(pix[3]) * M);
+        const uint32_t step = static_cast<uint32_t>(value_pixel_rows(pb));
+        rows = make_uint4(r0 + uint32_t(pix[0]) * step, r0 + uint32_t(pix[1]) * step,
+                          r0 + uint32_t(pix[2]) * step, r0 + uint32_t(pix[3]) * step);
       }
     }
     rows_tab[warp][lane] = rows;

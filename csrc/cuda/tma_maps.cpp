@@ -102,7 +102,8 @@ cudaError_t make_tma_levels(const ForwardParams& p, int tile_w, int tile_h, int6
     t.start[l] = start;
     if (t.box_w[l] > 0) {
       // Dimensions (D, M, W, H, N) over either value layout (value_row()).
-      const int64_t pixel = value_pixel_rows(pb) * px_bytes, head = pb.value_head_major ? pb.S * px_bytes : px_bytes;
+      const int64_t pixel = value_pixel_rows(pb) * px_bytes;
+      const int64_t head = pb.value_head_major ? pb.S * px_bytes : px_bytes;
       const cuuint64_t dims[5] = {cuuint64_t(pb.D), cuuint64_t(pb.M), cuuint64_t(W), cuuint64_t(H),
                                   cuuint64_t(pb.N)};
       const cuuint64_t strides[4] = {cuuint64_t(head), cuuint64_t(pixel), cuuint64_t(W * pixel),
