@@ -39,7 +39,10 @@ def ms_deform_attn(
     """Multi-scale deformable attention (Deformable DETR, eq. 2).
 
     Args:
-        value: (N, S, M, D), float32 / float16 / bfloat16 / float64.
+        value: (N, S, M, D), float32 / float16 / bfloat16 / float64. Read in
+            place when contiguous or head-major (``v.transpose(1, 2)`` of a
+            contiguous (N, M, S, D) tensor ``v``; its gradient then comes
+            back head-major too); any other layout is copied.
         spatial_shapes: (L, 2) int64, (H, W) of each level, on value's device.
         level_start_index: (L,) int64, exclusive cumulative sum of H * W.
         sampling_locations: (N, Lq, M, L, P, 2), normalised (x, y); in value's

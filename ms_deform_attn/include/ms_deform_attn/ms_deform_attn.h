@@ -35,7 +35,10 @@ namespace ms_deform_attn {
 //   attention_weights[n, q, m, l, p] * bilinear(value level l, sampling_locations[n, q, m, l, p])
 // (F.grid_sample's bilinear, zeros padding, align_corners=False).
 //
-//   value               (N, S, M, D) float32, float16, bfloat16 or float64
+//   value               (N, S, M, D) float32, float16, bfloat16 or float64; read in
+//                       place when contiguous or head-major (the transpose(1, 2)
+//                       view of a contiguous (N, M, S, D) tensor, whose gradient
+//                       comes back in that layout), else copied
 //   spatial_shapes      (L, 2) int64, (H, W) of each level, on value's device
 //   level_start_index   (L,) int64, the exclusive cumulative sum of H * W
 //   sampling_locations  (N, Lq, M, L, P, 2) normalised (x, y), value's dtype or float32
