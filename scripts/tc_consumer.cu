@@ -141,6 +141,20 @@ __device__ __forceinline__ void store_item(const Params& p, const float (&acc)[4
   }
 }
 
+// The pair's two items one after the other: each its 8 steps of two
+// samples, step(acc, item of the pair, step), into one accumulator, then
+// stored.
+template <typename Step>
+__device__ __forceinline__ void pair_items(const Params& p, int pair, int lane, Step&& step) {
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int s = 0; s < kSamples / 2; ++s) step(acc, it, s);
+    store_item(p, acc, 2 * pair + it, lane);
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 2) tc_kernel(Params p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t box_bytes = p.W * p.H * 64;
@@ -164,22 +178,16 @@ __global__ void __launch_bounds__(kThreads, 2) tc_kernel(Params p) {
   for (int pair = blockIdx.x * kWarps + int(threadIdx.x / 32); pair < pairs; pair += gridDim.x * kWarps) {
     table[lane] = resolve(p, int64_t(pair) * 32 + lane, box_bytes);
     __syncwarp();
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int step = 0; step < kSamples / 2; ++step) {
-        const float4 e = table[16 * it + 2 * step + slot];
-        uint32_t a[4];
-        ldmatrix_x4_trans(a, smem_u32 + swz(__float_as_uint(e.x) + corner_off));
-        const float w = e.w * fmaf(sx, e.y, ox) * fmaf(sy, e.z, oy);
-        const float v = fmaf(__bfloat162float(__float2bfloat16_rn(w)), lo_scale, w);
-        const __nv_bfloat162 pk = high_half ? __floats2bfloat162_rn(0.f, v) : __floats2bfloat162_rn(v, 0.f);
-        const uint32_t packed = *reinterpret_cast<const uint32_t*>(&pk);
-        mma_16816<__nv_bfloat16>(acc, a, slot ? 0u : packed, slot ? packed : 0u);
-      }
-      store_item(p, acc, 2 * pair + it, lane);
-    }
+    pair_items(p, pair, lane, [&](float(&acc)[4], int it, int step) {
+      const float4 e = table[16 * it + 2 * step + slot];
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, smem_u32 + swz(__float_as_uint(e.x) + corner_off));
+      const float w = e.w * fmaf(sx, e.y, ox) * fmaf(sy, e.z, oy);
+      const float v = fmaf(__bfloat162float(__float2bfloat16_rn(w)), lo_scale, w);
+      const __nv_bfloat162 pk = high_half ? __floats2bfloat162_rn(0.f, v) : __floats2bfloat162_rn(v, 0.f);
+      const uint32_t packed = *reinterpret_cast<const uint32_t*>(&pk);
+      mma_16816<__nv_bfloat16>(acc, a, slot ? 0u : packed, slot ? packed : 0u);
+    });
     __syncwarp();
   }
 }
@@ -215,18 +223,12 @@ __global__ void __launch_bounds__(kThreads, 2) tc2_kernel(Params p) {
       }
     }
     __syncwarp();
-#pragma unroll
-    for (int it = 0; it < 2; ++it) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int step = 0; step < kSamples / 2; ++step) {
-        const uint2 e = table[4 * (16 * it + 2 * step + slot) + q];
-        uint32_t a[4];
-        ldmatrix_x4_trans(a, smem_u32 + swz(e.x + corner_off));
-        mma_16816<__nv_bfloat16>(acc, a, __byte_perm(e.y, 0u, sel0), __byte_perm(e.y, 0u, sel1));
-      }
-      store_item(p, acc, 2 * pair + it, lane);
-    }
+    pair_items(p, pair, lane, [&](float(&acc)[4], int it, int step) {
+      const uint2 e = table[4 * (16 * it + 2 * step + slot) + q];
+      uint32_t a[4];
+      ldmatrix_x4_trans(a, smem_u32 + swz(e.x + corner_off));
+      mma_16816<__nv_bfloat16>(acc, a, __byte_perm(e.y, 0u, sel0), __byte_perm(e.y, 0u, sel1));
+    });
     __syncwarp();
   }
 }
@@ -302,13 +304,7 @@ __global__ void __launch_bounds__(kThreads, 2) tc3_kernel(Params p) {
       store_item(p, acc[0], 2 * pair, lane);
       store_item(p, acc[1], 2 * pair + 1, lane);
     } else {
-#pragma unroll
-      for (int it = 0; it < 2; ++it) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int step = 0; step < kSamples / 2; ++step) step_item(acc, it, step);
-        store_item(p, acc, 2 * pair + it, lane);
-      }
+      pair_items(p, pair, lane, step_item);
     }
     __syncwarp();
   }
