@@ -57,14 +57,20 @@ class _Remake:
         self.fn = fn
 
 
+def _cast_linear(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype):
+    """x, module's weight and its bias (or None) in `dtype`: autocast's casts
+    made by hand (a no-op where a tensor has the dtype already)."""
+    bias = None if module.bias is None else module.bias.to(dtype)
+    return x.to(dtype), module.weight.to(dtype), bias
+
+
 def _remake_linear(module: nn.Linear, x: torch.Tensor, dtype: torch.dtype,
                    finish: Callable[[torch.Tensor], torch.Tensor]):
     """module(x) as project() formed it, in `dtype` (autocast's casts of x,
     where it is not cast already, and of the parameters are made again),
     then finish()."""
     def fn():
-        bias = None if module.bias is None else module.bias.to(dtype)
-        return finish(F.linear(x.to(dtype), module.weight.to(dtype), bias))
+        return finish(F.linear(*_cast_linear(module, x, dtype)))
     return fn
 
 
@@ -113,9 +119,8 @@ def head_major_linear(module: nn.Linear, x: torch.Tensor, heads: int,
     """module(x) (x (N, S, C), module an nn.Linear) in `dtype` (autocast's
     dtype where it casts), written head-major: the (N, S, M, D) view of a
     contiguous (N, M, S, D) tensor (_HeadMajorProjection)."""
-    bias = None if module.bias is None else module.bias.to(dtype)
     with torch.autocast(x.device.type, enabled=False):
-        return _HeadMajorProjection.apply(x.to(dtype), module.weight.to(dtype), bias, heads)
+        return _HeadMajorProjection.apply(*_cast_linear(module, x, dtype), heads)
 
 
 def recomputing(remakes: Sequence[Tuple[torch.Tensor, Callable[[], torch.Tensor]]]):
@@ -194,10 +199,10 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
     def logits_of(a):
         return a.view(n, lq, heads, layer.n_levels * layer.n_points)
 
-    if head_major:
-        value = value_of(head_major_linear(layer.value_proj, input_flatten, heads, v_dtype))
-    else:
-        value = value_of(linear(layer.value_proj, input_flatten))
+    def head_major_value():
+        return value_of(head_major_linear(layer.value_proj, input_flatten, heads, v_dtype))
+
+    value = head_major_value() if head_major else value_of(linear(layer.value_proj, input_flatten))
     offsets = offsets_of(linear(layer.sampling_offsets, query))
     logits = logits_of(linear(layer.attention_weights, query))
     remakes = []
@@ -206,9 +211,8 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and not torch.jit.is_scripting() and not torch.onnx.is_in_onnx_export()):
         # Under a compiler its partitioner chooses what to keep.
-        value_remake = (
-            (lambda: value_of(head_major_linear(layer.value_proj, input_flatten, heads, v_dtype)))
-            if head_major else _remake_linear(layer.value_proj, input_flatten, v_dtype, value_of))
+        value_remake = (head_major_value if head_major
+                        else _remake_linear(layer.value_proj, input_flatten, v_dtype, value_of))
         remakes = [(value, value_remake),
                    (offsets, _remake_linear(layer.sampling_offsets, query, q_dtype, offsets_of)),
                    (logits, _remake_linear(layer.attention_weights, query, q_dtype, logits_of))]

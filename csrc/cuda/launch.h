@@ -76,7 +76,7 @@ bool sorted_backward_preferred(const BackwardParams& p);
 // null): the dots kernels write them (the fused operator's FFMA kernel's are
 // written by local_value_grad), and `counter`, one unsigned zeroed before the
 // call (the blocks take their work from it). local_value_grad then writes all of
-// grad_value (N, S, M, D, value's dtype, 16-byte aligned), the same bits on
+// grad_value (value's shape, layout and dtype, 16-byte aligned), the same bits on
 // every run.
 bool local_value_grad_ok(const BackwardParams& p);
 int64_t local_value_grad_scratch_bytes(const BackwardParams& p);
