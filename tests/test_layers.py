@@ -136,7 +136,7 @@ def test_head_major_value_reaches_the_operator(device, backend, fused, autocast,
             out = layer(query, args[1], flat, *args[3:])
         grads = torch.autograd.grad(out.float().square().sum(), [query, flat, *layer.parameters()])
         results.append((out, grads))
-    n, s, m, d = 2, flat.shape[1], 8, 8
+    s, m, d = flat.shape[1], 8, 8
     assert seen == [(s * m * d, m * d, d, 1), (m * s * d, d, s * d, 1)]
     tol = 2e-2 if autocast else 1e-5
     for a, b in zip([results[0][0], *results[0][1]], [results[1][0], *results[1][1]]):
