@@ -4,7 +4,7 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes, model,
-#                               profile, source, sass, dsmem, cpp, cputhreads, layerk, binned, paths)
+#                               profile, source, sass, cpp, cputhreads, layerk, paths)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -97,10 +97,6 @@ for stage in $STAGES; do
           echo "sanitize $tool: FAILED"; tail -40 "$OUT/sanitize_$tool.txt"; status=1
         fi
       done ;;
-    dsmem)
-      # Distributed shared memory latency and bandwidth (the cluster backend's notes).
-      $PY -m benchmarks.dsmem --out "$OUT" 2>&1 | tee "$OUT/dsmem.txt" | tail -12
-      [ "${PIPESTATUS[0]}" = 0 ] || { echo "DSMEM FAILED"; status=1; } ;;
     stress)
       $PY tests/stress.py --iterations ${STRESS_ITERATIONS:-3000} 2>&1 | tee "$OUT/stress.txt" | tail -5
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "STRESS FAILED"; status=1; } ;;
@@ -123,25 +119,6 @@ for stage in $STAGES; do
       $PY -m benchmarks.layer --model ${MODEL_ARGS:---paths swapped --compile} --out "$OUT/model" 2>&1 \
         | tee "$OUT/model.log" | grep -v Warning | tail -20
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "MODEL BENCH FAILED"; status=1; } ;;
-    binned)
-      # Standalone programs, no library build: the binnings against today's
-      # sort (scripts/binning_bench.cu) and the tile-owner backward prototype
-      # (scripts/binned_backward.cu, self-checking; BINNED_ARGS="workload
-      # target", repeatable with ';' between runs).
-      nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -o /tmp/binning_bench scripts/binning_bench.cu \
-        && nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xptxas -v -o /tmp/binned \
-             scripts/binned_backward.cu > "$OUT/binned_build.log" 2>&1 || { echo "BINNED BUILD FAILED"; status=1; }
-      # Each run under a timeout: a hang costs a minute, not the call.
-      IFS=';' read -ra runs <<< "${BINNED_ARGS:-ddetr_enc;ddetr_enc 512;ddetr_enc 1024;m2f_enc;bevformer_tsa;dino5_enc;ddetr_enc_crowd}"
-      for r in "${runs[@]}"; do
-        echo "--- binned $r" >> "$OUT/binned.txt"
-        timeout ${BINNED_TIMEOUT:-60} /tmp/binned $r >> "$OUT/binned.txt" 2>&1 || { echo "rc $?" >> "$OUT/binned.txt"; status=1; }
-      done
-      for w in ${BINNING_WORKLOADS-ddetr_enc rtdetr_dec}; do
-        echo "--- binning_bench $w" >> "$OUT/binned.txt"
-        timeout ${BINNED_TIMEOUT:-60} /tmp/binning_bench $w >> "$OUT/binned.txt" 2>&1 || { echo "rc $?" >> "$OUT/binned.txt"; status=1; }
-      done
-      cat "$OUT/binned.txt" ;;
     source)
       # Nsight Compute source counters (instructions and stalls a source line)
       # of one kernel (SOURCE_KERNEL, a regex) for each run of
