@@ -13,7 +13,10 @@ TEST_EXTRAS ?= test hf onnx
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "torch is not installed: pip install torch first (README, Install)"; exit 1; }
-	@$(PYTHON) -c "import setuptools, ninja" 2>/dev/null || $(PYTHON) -m pip install setuptools ninja
+	@$(PYTHON) -c "import setuptools" 2>/dev/null || $(PYTHON) -m pip install setuptools
+	@# The ninja module only where no ninja is on the PATH: two ninjas of
+	@# different versions share build/ and the second rebuilds everything.
+	@command -v ninja >/dev/null || $(PYTHON) -c "import ninja" 2>/dev/null || $(PYTHON) -m pip install ninja
 	@$(PYTHON) -m pip install -q $$($(PYTHON) scripts/extras.py $(TEST_EXTRAS)) \
 	  || echo "make: could not install the extras $(TEST_EXTRAS); the tests that need them will skip"
 

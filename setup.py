@@ -11,7 +11,9 @@ FORCE_CUDA=1; otherwise the library is CPU-only. With FORCE_CUDA=1, no
 visible GPU and TORCH_CUDA_ARCH_LIST unset, the architectures default to
 DEFAULT_ARCHS below instead of torch's guess. MAX_JOBS is honoured (ninja).
 The CPU kernels run multi-threaded through OpenMP where the compiler has it.
-Metadata and the optional extras are in pyproject.toml.
+Metadata and the optional extras are in pyproject.toml; the distribution is
+named torch-msda (ms-deform-attn on PyPI is another project), the import
+name is ms_deform_attn.
 """
 import glob
 import os
@@ -80,7 +82,7 @@ except ImportError:
         "installed first:\n    pip install torch\n    pip install --no-build-isolation .\n"
         "(--no-build-isolation lets the build see that torch; without it pip would build "
         "against a different copy.)")
-from setuptools import Extension, find_packages, setup  # noqa: E402
+from setuptools import Extension, find_namespace_packages, setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 # Ampere, Ada and Hopper (9.0a: the Hopper-only backends need it).
@@ -92,6 +94,17 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 def want_cuda():
     if os.environ.get("FORCE_CUDA", "0") == "1":
         return True
+    if torch.version.cuda is not None and CUDA_HOME is None:
+        gpu = torch.cuda.is_available()
+        bar = "!" * 78
+        print(f"\n{bar}\nms_deform_attn: building CPU-ONLY: torch {torch.__version__} has CUDA "
+              f"{torch.version.cuda}{' and a GPU is visible' if gpu else ''}, but no nvcc was found "
+              "(neither CUDA_HOME nor nvcc on the PATH).\nThe CUDA kernels will be missing: CUDA "
+              "tensors will raise an error. To build them, install the CUDA toolkit matching "
+              f"torch.version.cuda ({torch.version.cuda}), put its nvcc on the PATH or set CUDA_HOME, "
+              "and rebuild (FORCE_CUDA=1 builds them without a visible GPU).\n"
+              f"{bar}\n", flush=True)
+        return False
     return torch.cuda.is_available() and CUDA_HOME is not None
 
 
@@ -137,7 +150,8 @@ def openmp_flag():
 
 
 def library():
-    rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+    rel = lambda pattern: sorted(os.path.relpath(p, ROOT)
+                                 for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
     sources = (rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + rel("csrc/autograd/*.cpp")
                + rel("csrc/autocast/*.cpp"))
     cxx = ["-O3"]
@@ -160,10 +174,11 @@ def library():
     else:
         if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
-        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+        cxx.append("-DMSDA_WITH_CUDA")  # cpu_only.cpp and the build query know
+        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DMSDA_WITH_CUDA"]
         if os.environ.get("MSDA_PTXAS_VERBOSE", "0") == "1":
             nvcc.append("-Xptxas=-v")
-        sources += rel("csrc/cuda/*.cpp") + rel("csrc/cuda/*.cu")
+        sources += rel("csrc/cuda/**/*.cpp") + rel("csrc/cuda/**/*.cu")
         ext = CUDAExtension(LIB, sources, include_dirs=include_dirs + library_header_dirs(),
                             extra_link_args=link, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
     # No Python: LibTorch programs load this library without an interpreter.
@@ -200,7 +215,10 @@ class Build(BuildExtension):
 
 
 setup(
-    packages=find_packages(include=["ms_deform_attn", "ms_deform_attn.*"]),
+    # The header and CMake folders are data, listed as (namespace) packages so
+    # that setuptools ships them without warning.
+    packages=find_namespace_packages(include=["ms_deform_attn", "ms_deform_attn.*"],
+                                     exclude=["ms_deform_attn.lib", "ms_deform_attn.__pycache__"]),
     package_data={"ms_deform_attn": ["include/ms_deform_attn/*.h", "share/cmake/ms_deform_attn/*.cmake"]},
     ext_modules=[library(), python_module()],
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},

@@ -11,7 +11,7 @@ import platform
 import torch
 
 import ms_deform_attn as msda
-from ms_deform_attn.workloads import get, make_inputs
+from ms_deform_attn.testing import get, make_inputs
 
 from .timing import time_cpu
 

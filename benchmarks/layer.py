@@ -63,14 +63,14 @@ from typing import Callable, Dict, List
 import torch
 
 from ms_deform_attn import nn as msnn
-from ms_deform_attn import workloads as W
+from ms_deform_attn import testing as W
 from ms_deform_attn.nn import MSDeformAttn
 
 # MSDA_PLAIN_LINEARS=1: the layers (MSDeformAttn and swap_msda's fused ones,
-# which call ms_deform_attn.nn.linear) call their nn.Linear modules instead
+# which call ms_deform_attn.nn._linear) call their nn.Linear modules instead
 # of ms_deform_attn::_linear (an A/B of the linears' bias gradients).
 if os.environ.get("MSDA_PLAIN_LINEARS") == "1":
-    msnn.linear = lambda module, x: module(x)
+    msnn._linear = lambda module, x: module(x)
 
 from .timing import time_cpu, time_cuda
 

@@ -21,7 +21,7 @@ import os
 import torch
 
 import ms_deform_attn as msda
-from ms_deform_attn import workloads as W
+from ms_deform_attn import testing as W
 
 from .timing import time_cuda
 

@@ -4,6 +4,7 @@
     python -m benchmarks.run --full                # every workload, dtype and pass
     python -m benchmarks.run --workloads ddetr_enc,seed --dtypes bf16 \\
         --backends all --passes fwd,fwdbwd --out results/
+    python -m benchmarks.run --timer both       # torch.utils.benchmark beside the graph replays
 
 For every (workload, dtype, pass, implementation): median time, effective
 GB/s (fewest bytes / time), the ratio to the workload's floor (fewest bytes /
@@ -27,12 +28,12 @@ from typing import Dict, List
 import torch
 
 import ms_deform_attn as msda
-from ms_deform_attn import workloads as W
+from ms_deform_attn import testing as W
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 
 from .report import auto_verdicts
-from .timing import (DETERMINISTIC, FP32_ONLY, PEERS, copy_bandwidth, implementations, time_cpu,
-                     time_cuda)
+from .timing import (DETERMINISTIC, FP32_ONLY, PEERS, copy_bandwidth, implementations,
+                     our_backends, time_cpu, time_cuda, time_torch_benchmark)
 
 DTYPES = {  # name -> (value dtype, location / weight dtype)
     "fp32": (torch.float32, torch.float32),
@@ -63,6 +64,12 @@ def parse_args(argv=None):
     ap.add_argument("--out", default="results", help="folder for bench.json and bench.png")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     ap.add_argument("--target-ms", type=float, default=300.0, help="timing budget per measurement")
+    ap.add_argument("--timer", choices=("graph", "torch", "both"), default="graph",
+                    help="graph: CUDA-graph replays of our backends on the GPU (GPU time), wall "
+                         "clock on the CPU; torch: torch.utils.benchmark's "
+                         "Timer.blocked_autorange, as users time it (eager, launch overhead "
+                         "included); both: the first in time_us, the second beside it "
+                         "(torch_us, torch_iqr_us), and a benchmark.Compare table")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -142,7 +149,7 @@ def measure(args) -> Dict:
     # An explicit 'name/k' keeps its own factor; the others take --scale.
     workloads = [W.get(n) if "/" in n else W.get(n).scaled(scale) for n in wl_names]
 
-    ours = msda.available_backends(device)
+    ours = our_backends(device)
     if args.backends == "all":
         names = ours + [DETERMINISTIC, "reference"] + list(PEERS)
     elif args.backends == "ours":
@@ -167,7 +174,13 @@ def measure(args) -> Dict:
             bar.set_postfix_str(f"{wl.name} {dname}")
         rows.extend(bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw,
                               args, notes))
+    env["timer"] = args.timer
     return {"env": env, "notes": notes, "rows": rows}
+
+
+# torch.utils.benchmark Measurements of the run (--timer torch / both), for
+# the Compare table main() prints.
+MEASUREMENTS: List = []
 
 
 def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args, notes):
@@ -228,8 +241,15 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
                         o = fn(*s)
                         return torch.autograd.grad(o, (s[0], s[3], s[4]), grad_out)
 
-                if device == "cuda":
-                    t, method, reps = time_cuda(step, n_sets, use_graph=(name in msda.available_backends("cuda")
+                if args.timer in ("torch", "both"):
+                    m = time_torch_benchmark(step, f"ms_deform_attn {pas}", f"{wl.name} {dname}", name,
+                                             min_run_time=args.target_ms / 1e3)
+                    MEASUREMENTS.append(m)
+                    row.update(torch_us=m.median * 1e6, torch_iqr_us=m.iqr * 1e6)
+                if args.timer == "torch":
+                    t, method, reps = m.median * 1e6, "torch.utils.benchmark", m.number_per_run * len(m.times)
+                elif device == "cuda":
+                    t, method, reps = time_cuda(step, n_sets, use_graph=(name in our_backends("cuda")
                                                                       or name == DETERMINISTIC),
                                                 target_ms=args.target_ms)
                 else:
@@ -276,7 +296,7 @@ def fmt_table(result: Dict) -> str:
 def auto_check(rows: List[Dict]) -> List[str]:
     """Compares what backend="auto" picked with the fastest of our backends in
     this run, per (workload, dtype), forward pass."""
-    ours = msda.available_backends("cuda" if torch.cuda.is_available() else "cpu")
+    ours = our_backends("cuda" if torch.cuda.is_available() else "cpu")
     lines = []
     for wl, dt, timed, pick, best in auto_verdicts(rows, ours):
         verdict = "ok" if pick == best else f"auto is {timed.get(pick, float('nan')) / timed[best]:.2f}x slower"
@@ -337,9 +357,16 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(fmt_table(result))
+    if MEASUREMENTS:
+        from torch.utils import benchmark
+        print()
+        benchmark.Compare(MEASUREMENTS).print()
     if not args.no_plot and result["rows"]:
         if plot(result, os.path.join(args.out, "bench.png")):
             print(f"wrote {os.path.join(args.out, 'bench.png')}")
+        else:
+            print("no chart: matplotlib is not installed (pip install matplotlib, or the "
+                  "'bench' extra; --no-plot skips it quietly)")
     print(f"wrote {os.path.join(args.out, 'bench.json')}")
     return 0 if result["rows"] else 1
 

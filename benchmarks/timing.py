@@ -23,6 +23,12 @@ def _ours(backend: str, deterministic: bool = False):
     return fn
 
 
+def our_backends(device: str) -> List[str]:
+    """Our backends with kernels on `device` ("pytorch", the reference, is
+    benchmarked as "reference")."""
+    return [b for b in msda.available_backends(device) if b != "pytorch"]
+
+
 # Our "auto" forward with the deterministic backward (sort and gather).
 DETERMINISTIC = "deterministic"
 
@@ -66,7 +72,7 @@ def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callab
     plus notes on the ones skipped. Names: our backends, "reference", peers."""
     impls: Dict[str, Callable] = {}
     notes: List[str] = []
-    ours = msda.available_backends(device)
+    ours = our_backends(device)
     for name in names:
         if name in ours:
             impls[name] = _ours(name)
@@ -160,6 +166,21 @@ def time_cpu(step: Callable[[int], object], n_sets: int, target_s: float = 1.0) 
         step(r % n_sets)
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times), "wall", reps
+
+
+def time_torch_benchmark(step: Callable[[int], object], label: str, sub_label: str,
+                         description: str, min_run_time: float):
+    """One step timed the way users time this operator: torch.utils.benchmark's
+    Timer.blocked_autorange (eager calls, synchronised on CUDA, launch
+    overhead included). Returns its Measurement (median and IQR in seconds),
+    which benchmark.Compare tabulates."""
+    from torch.utils import benchmark
+
+    step(0)  # warm-up (allocator, module load)
+    timer = benchmark.Timer(stmt="step(0)", globals={"step": step}, label=label,
+                            sub_label=sub_label, description=description,
+                            num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time)
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:

@@ -1,7 +1,7 @@
 // The backend registry's front, device-agnostic: which backend names exist,
 // and the questions ops.cpp answers for Python and C++ callers (which
 // backends a device has, what "auto" picks, why a backend cannot run). The
-// CUDA part answers them from its backend table (cuda/backends.cpp) through
+// CUDA part answers them from its backend table (cuda/forward/backends.cpp) through
 // BackendHooks, installed when it is compiled in.
 #pragma once
 
@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "backward_plan.h"
 #include "params.h"
 
 namespace msda {
@@ -30,6 +31,8 @@ struct BackendHooks {
   std::string (*select)(const Problem& pb, int device) = nullptr;
   // Why backend `name` cannot run these inputs ("" when it can).
   std::string (*reason)(const std::string& name, const Problem& pb, int device) = nullptr;
+  // The limits of CUDA device `device` that the backward planner reads.
+  BackwardDevice (*backward_device)(int device) = nullptr;
 };
 BackendHooks& cuda_hooks();
 

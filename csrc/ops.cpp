@@ -8,6 +8,7 @@
 #include "ops.h"
 
 #include "backends.h"
+#include "backward_plan.h"
 #include "ms_deform_attn/ms_deform_attn.h"
 #include "validation.h"
 
@@ -97,6 +98,33 @@ std::string reason(const at::Tensor& value, const at::Tensor& spatial_shapes,
   return backend_reason(backend, c.pb, value.device());
 }
 
+// The plan the CUDA backward makes for these inputs (backward_plan.h), as
+// "grad_value=... dots=... vec=... gather=... gather_vec=... composite=...".
+// The device's limits are those of value's CUDA device, else of a device of
+// `sms` SMs (default 132, an H100) on which every kernel fits; grad_output is
+// taken as contiguous and 32-byte aligned, as autograd hands it over.
+std::string backward_path(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                          const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                          const at::Tensor& attention_weights, bool fused, bool deterministic,
+                          c10::string_view grad_value, int64_t sms) {
+  const Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
+                                 attention_weights, "auto", std::nullopt);
+  BackwardProblem p;
+  p.pb = c.pb;
+  p.fused = fused;
+  const auto addr = reinterpret_cast<uintptr_t>(value.data_ptr());
+  p.value_align = 1;
+  while (p.value_align < 32 && addr % (2 * p.value_align) == 0) p.value_align *= 2;
+  p.grad_out_align = 32;
+  BackwardDevice d;
+  if (value.is_cuda() && cuda_hooks().backward_device != nullptr) d = cuda_hooks().backward_device(value.get_device());
+  if (sms > 0) d.sms = static_cast<int>(sms);
+  BackwardWishes w;
+  w.deterministic = deterministic;
+  w.request = parse_grad_value_request(std::string(grad_value));
+  return to_string(plan_backward(p, d, w));
+}
+
 }  // namespace
 }  // namespace msda
 
@@ -137,6 +165,19 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "Tensor sampling_locations, Tensor attention_weights, str backend, "
       "int[]? spatial_shapes_list=None) -> str",
       &msda::reason);
+  // Whether this build has the CUDA kernels (setup.py defines MSDA_WITH_CUDA).
+  m.def("_built_with_cuda() -> bool", [] {
+#ifdef MSDA_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def(
+      "_select_backward_path(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
+      "Tensor sampling_locations, Tensor attention_weights, bool fused=False, "
+      "bool deterministic=False, str grad_value=\"auto\", int sms=-1) -> str",
+      &msda::backward_path);
 }
 
 // _linear's forward on every device: torch's linear. What differs from it is

@@ -50,6 +50,31 @@ struct ForwardParams {
   int ref_dim = 0;
 };
 
+// The backward's plan (backward_plan.h decides it): how grad_value is
+// formed, which kernel forms the corner dots, the vector widths, and whether
+// the fused operator falls back to its ATen composite.
+enum class GradValuePath : int {
+  atomic,  // fp32 (fp64) atomics into a zeroed accumulator, then a conversion
+  sorted,  // cell keys, a global radix sort, a gather per value pixel (bitwise reproducible)
+  local,   // records grouped by cell inside a block per (n, m, level) (bitwise reproducible)
+};
+enum class DotsKernel : int {
+  ffma,      // backward_kernel: FFMA, lanes over channels
+  mma,       // dots_mma_kernel on tensor cores, whole (query, head) rows a warp task
+  mma_flat,  // the same, all rows' sample slots one sequence (no idle lanes where L Pp does not divide 32)
+  mma_rows,  // the fused operator's: a block task of whole rows (L Pp does not divide 32)
+};
+enum class GatherKernel : int { none, pixels, tiles };  // the global sort's gather
+struct BackwardPlan {
+  GradValuePath grad_value = GradValuePath::atomic;
+  DotsKernel dots = DotsKernel::ffma;
+  int vec = 1;                               // elements a vector access of the dots kernel
+  GatherKernel gather = GatherKernel::none;
+  int gather_vec = 1;                        // elements a vector access of the gather
+  bool composite = false;                    // fused only: the ATen composite serves it
+  constexpr bool deterministic() const { return grad_value != GradValuePath::atomic; }
+};
+
 struct BackwardParams {
   Problem pb;
   const void* value = nullptr;
@@ -58,30 +83,31 @@ struct BackwardParams {
   const void* loc = nullptr;
   const void* attn = nullptr;
   const void* grad_out = nullptr;  // (N, Lq, M * D), value dtype
-  void* grad_value_acc = nullptr;  // value's shape and layout in the accumulation type, zeroed;
-                                   // nullptr: no grad_value (deterministic path)
+  BackwardPlan plan;               // the path the kernels take
+  int vec = 1;                     // plan.vec (the dtype dispatch reads it from here)
+  // plan.grad_value atomic: value's shape and layout in the accumulation type, zeroed
+  void* grad_value_acc = nullptr;
   void* grad_loc = nullptr;        // like loc
   void* grad_attn = nullptr;       // like attn
-  int vec = 1;
-  // Deterministic path: when cell_keys is set, the kernel also writes, for
-  // every sample (flat index (n, q, m, l, p)), the key of the bilinear cell its
-  // footprint lies in (see cell_key() in cuda/common.cuh) and the sample's index.
+  // plan.grad_value sorted: the dots kernel also writes, for every sample
+  // (flat index (n, q, m, l, p)), the key of the bilinear cell its footprint
+  // lies in (cell_key() in cuda/grad_value_records.cuh) and the sample's index.
   void* cell_keys = nullptr;   // (samples,) uint32, or uint64 when wide_keys
   void* sample_ids = nullptr;  // (samples,) same type
   bool wide_keys = false;
   int64_t cell_stride = 0;     // keys per (n, m): 2 * S + 2 * L bounds the cells of all levels
-  // Block-local path (cuda/backward_local.cu): when local_cell is set, the
+  // plan.grad_value local (cuda/backward/local_grad_value.cu): the dots
   // kernel writes every sample's record for it instead (at ((n M + m) L + l)
   // Lq P + q P + p): the sample's cell on its level, (h0 + 1) (W + 1) + w0 + 1
   // (0xffffffff where it adds nothing), and its four corner weights times its
   // attention weight, fp32, in the order (0, 2, 1, 3).
   void* local_cell = nullptr;  // (samples,) uint32
   void* local_wts = nullptr;   // (samples, 4) float, 16-byte aligned
-  // ms_deform_attn_fused (the sorted path only): with ref set, loc holds the
-  // sampling offsets and attn the attention logits, as in ForwardParams;
-  // grad_loc and grad_attn receive the gradients of those, and row_stats
-  // (N, Lq, M) the (max, 1 / sum of exp) of each row's softmax, which the
-  // dots kernel writes for the kernels after it.
+  // ms_deform_attn_fused: with ref set, loc holds the sampling offsets and
+  // attn the attention logits, as in ForwardParams; grad_loc and grad_attn
+  // receive the gradients of those; on a deterministic plan row_stats
+  // (N, Lq, M) receives the (max, 1 / sum of exp) of each row's softmax,
+  // which the dots kernel writes for the kernels after it.
   const float* ref = nullptr;
   int ref_dim = 0;
   float* row_stats = nullptr;  // 2 floats a row

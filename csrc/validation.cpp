@@ -1,8 +1,7 @@
 #include "validation.h"
 
-#include <cstdlib>
-
 #include "backends.h"
+#include "overrides.h"
 #include "sampling.h"
 
 namespace msda {
@@ -10,11 +9,6 @@ namespace msda {
 namespace {
 
 const char* kOp = "ms_deform_attn: ";
-
-bool check_device_shapes() {
-  const char* env = std::getenv("MS_DEFORM_ATTN_CHECK_SHAPES");
-  return env != nullptr && std::string(env) == "1";
-}
 
 // Level shapes known on the host, from `source` ("spatial_shapes" or
 // "spatial_shapes_list"): hw = (H0, W0, H1, ...); starts (may be null) the
@@ -201,7 +195,7 @@ Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
   }
   if (spatial_shapes.device().is_cpu()) {
     check_host_tensors(spatial_shapes, level_start_index, pb);
-  } else if (check_device_shapes()) {
+  } else if (check_shapes_on_host()) {
     check_host_tensors(spatial_shapes.cpu(), level_start_index.cpu(), pb);
   }
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from ms_deform_attn.nn import MSDeformAttn  # noqa: E402
-from ms_deform_attn.workloads import encoder_reference_points, level_tensors  # noqa: E402
+from ms_deform_attn.testing import encoder_reference_points, level_tensors  # noqa: E402
 
 
 class EncoderLayer(torch.nn.Module):

@@ -5,24 +5,36 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 
-try:
-    from . import _C  # noqa: F401  (loads lib/libms_deform_attn.so: the C++ registrations)
-except ImportError as e:
-    _here = os.path.dirname(os.path.abspath(__file__))
-    if glob.glob(os.path.join(_here, "_C*")):
-        raise
+_here = os.path.dirname(os.path.abspath(__file__))
+if not glob.glob(os.path.join(_here, "_C*")):
+    # Said before the import is tried: a failed `from . import _C` inside the
+    # package's own import reads as a circular import.
     raise ImportError(
-        f"ms_deform_attn: the compiled extension is not in {_here}. If the package was "
-        "installed with `pip install .` and Python runs from the source checkout, the "
-        "checkout's ms_deform_attn/ folder hides the installed package: run from another "
-        "directory, or build in place here (`make build`, or `pip install --no-build-isolation "
-        "-e .`).") from e
+        f"ms_deform_attn: the compiled extension is not in {_here}. In a source checkout, "
+        "build it in place (`make build`, or `pip install --no-build-isolation -e .`); if the "
+        "package was installed with `pip install .`, run Python from another directory (the "
+        "checkout's ms_deform_attn/ folder hides the installed package).")
+from . import _C  # noqa: F401,E402  (loads lib/libms_deform_attn.so: the C++ registrations)
 
 _lib = torch.ops.ms_deform_attn
+
+# The grid_sample reference, accepted as a backend by the Python entry points
+# and the layers (not by the C++ operator): slow, every device, float64 too.
+REFERENCE_BACKEND = "pytorch"
+
+
+_CUDA_KERNELS = bool(_lib._built_with_cuda())
+
+
+def cuda_kernels_built() -> bool:
+    """Whether this build has the CUDA kernels (setup.py compiles them when
+    torch has CUDA and nvcc is found, or with FORCE_CUDA=1). A CPU-only build
+    given CUDA tensors raises an error that says how to rebuild."""
+    return _CUDA_KERNELS
 
 
 def ms_deform_attn(
@@ -48,8 +60,9 @@ def ms_deform_attn(
         sampling_locations: (N, Lq, M, L, P, 2), normalised (x, y); in value's
             dtype or float32. Locations outside [0, 1] are legal.
         attention_weights: (N, Lq, M, L, P), in value's dtype or float32.
-        backend: "auto" or a name from available_backends(value.device).
-            The environment variable MS_DEFORM_ATTN_BACKEND overrides "auto".
+        backend: "auto" or a name from available_backends(value.device);
+            "pytorch" runs the grid_sample reference (slow). The environment
+            variable MS_DEFORM_ATTN_BACKEND overrides "auto".
         deterministic: whether the backward must give bitwise identical
             gradients on every run (grad_value by sort and gather instead of
             atomics). None (default) follows
@@ -67,6 +80,10 @@ def ms_deform_attn(
     Returns:
         (N, Lq, M * D) in value's dtype.
     """
+    if backend == REFERENCE_BACKEND:
+        from .reference import ms_deform_attn_pytorch
+        return ms_deform_attn_pytorch(value, spatial_shapes, level_start_index, sampling_locations,
+                                      attention_weights)
     return _lib.ms_deform_attn(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
         deterministic, _flat_shapes(spatial_shapes_list),
@@ -128,14 +145,17 @@ def _flat_shapes(shapes: Optional[Sequence]) -> Optional[List[int]]:
 
 def available_backends(device: Optional[Union[str, torch.device]] = None) -> List[str]:
     """Backends that can run on `device` (default: the current CUDA device if
-    there is one, else the CPU), in the order "auto" prefers them. A backend
-    listed here may still refuse particular inputs (its predicate says why)."""
+    there is one, else the CPU), in the order "auto" prefers them, then
+    "pytorch" (the grid_sample reference, never picked by "auto"). A backend
+    listed here may still refuse particular inputs (its predicate says why).
+    Without a visible CUDA device (or without the CUDA kernels in this build)
+    "cuda" has none."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not (torch.cuda.is_available() and cuda_kernels_built()):
         return []
-    return list(_lib._available_backends(device))
+    return list(_lib._available_backends(device)) + [REFERENCE_BACKEND]
 
 
 def select_backend(value, spatial_shapes, level_start_index, sampling_locations,
@@ -151,10 +171,33 @@ def backend_reason(backend, value, spatial_shapes, level_start_index, sampling_l
                    attention_weights, spatial_shapes_list=None) -> str:
     """Why `backend` cannot run these inputs (its predicate), or "" when it
     can; raises for invalid inputs like the operator does."""
+    if backend == REFERENCE_BACKEND:
+        return ""
     return _lib._backend_reason(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
         _flat_shapes(spatial_shapes_list),
     )
+
+
+def select_backward_path(value, spatial_shapes, level_start_index, sampling_locations,
+                         attention_weights, *, fused: bool = False, deterministic: bool = False,
+                         grad_value: str = "auto", sms: Optional[int] = None) -> Dict[str, object]:
+    """The plan the CUDA backward makes for these inputs (csrc/backward_plan.h):
+    {"grad_value": "atomic" | "sorted" | "local", "dots": "ffma" | "mma" |
+    "mma_flat" | "mma_rows", "vec": int, "gather": "none" | "pixels" | "tiles",
+    "gather_vec": int, "composite": bool}. `fused`: the backward of
+    ms_deform_attn_fused; `grad_value`: a path asked for ("auto", "atomic",
+    "sorted", "local"; what MS_DEFORM_ATTN_GRAD_VALUE asks of the operator).
+    The device is value's CUDA device, or one of `sms` SMs (default 132) on
+    which every kernel fits; grad_output is taken as contiguous."""
+    text = _lib._select_backward_path(value, spatial_shapes, level_start_index, sampling_locations,
+                                      attention_weights, fused, deterministic, grad_value,
+                                      -1 if sms is None else int(sms))
+    plan: Dict[str, object] = {}
+    for item in text.split():
+        key, val = item.split("=")
+        plan[key] = bool(int(val)) if key == "composite" else int(val) if val.isdigit() else val
+    return plan
 
 
 # ---- fake (meta) kernels -----------------------------------------------------

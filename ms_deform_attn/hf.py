@@ -194,7 +194,7 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
         hidden_states = hidden_states + position_embeddings
     n, lq, _ = hidden_states.shape
     # transformers' attention_mask is True where the pixel is valid.
-    value, offsets, logits, remakes = layers.project(
+    value, offsets, logits, remakes = layers._project(
         self, hidden_states, encoder_hidden_states,
         None if attention_mask is None else ~attention_mask,
         recompute=getattr(self, "_msda_recompute", False))
@@ -203,7 +203,7 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
                          f"{reference_points.shape[-1]}")
     if reference_points.shape[2] == 1:  # one for every level (RT-DETR's decoder)
         reference_points = reference_points.expand(-1, -1, self.n_levels, -1)
-    with layers.recomputing(remakes):
+    with layers._recomputing(remakes):
         output = ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points,
                                       offsets, logits, backend=self._msda_backend,
                                       spatial_shapes_list=spatial_shapes_list)
@@ -211,7 +211,7 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     if _attention_weights_wanted(kwargs):
         with torch.no_grad():
             weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
-    return layers.linear(self.output_proj, output), weights
+    return layers._linear(self.output_proj, output), weights
 
 
 def _runs_deformable_detr_forward(layer: nn.Module) -> bool:

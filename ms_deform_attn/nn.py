@@ -19,8 +19,10 @@ from torch import nn
 from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .reference import ms_deform_attn_pytorch
 
+__all__ = ["MSDeformAttn"]
 
-def linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+
+def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """module(x) for the attention layers' linears. A plain nn.Linear (no
     hooks, not a subclass) on CUDA runs as ms_deform_attn::_linear: torch's
     linear forward and backward, but the bias gradient is one read of the
@@ -114,7 +116,7 @@ class _HeadMajorProjection(torch.autograd.Function):
         return gx, gw, gb, None
 
 
-def head_major_linear(module: nn.Linear, x: torch.Tensor, heads: int,
+def _head_major_linear(module: nn.Linear, x: torch.Tensor, heads: int,
                       dtype: torch.dtype) -> torch.Tensor:
     """module(x) (x (N, S, C), module an nn.Linear) in `dtype` (autocast's
     dtype where it casts), written head-major: the (N, S, M, D) view of a
@@ -123,7 +125,7 @@ def head_major_linear(module: nn.Linear, x: torch.Tensor, heads: int,
         return _HeadMajorProjection.apply(*_cast_linear(module, x, dtype), heads)
 
 
-def recomputing(remakes: Sequence[Tuple[torch.Tensor, Callable[[], torch.Tensor]]]):
+def _recomputing(remakes: Sequence[Tuple[torch.Tensor, Callable[[], torch.Tensor]]]):
     """A context under which autograd, saving a tensor of `remakes` ((tensor,
     fn) pairs) for the backward, keeps fn instead and calls it at the
     backward: the operator's value, offsets and logits are formed again from
@@ -148,12 +150,12 @@ def recomputing(remakes: Sequence[Tuple[torch.Tensor, Callable[[], torch.Tensor]
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
+def _project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
             padding_mask: Optional[torch.Tensor] = None, recompute: bool = False):
     """The three projections of an attention layer with Deformable DETR's
     linears and sizes (MSDeformAttn, transformers' layer): value (N, S, M, D),
     zero at padding (padding_mask (N, S) True), head-major when the layer's
-    `value_layout` is "head_major" (head_major_linear), sampling offsets
+    `value_layout` is "head_major" (_head_major_linear), sampling offsets
     (N, Lq, M, L, P, 2) and attention logits (N, Lq, M, L * P). Under
     autocast the query is cast once for the offsets' and the logits' linears
     (autocast would cast a non-leaf query once for each, and keep both
@@ -161,7 +163,7 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
 
     Returns (value, offsets, logits, remakes): with `recompute`, where
     autograd records and the three linears are plain nn.Linear, remakes pairs
-    each of the three with the function that forms it again (recomputing());
+    each of the three with the function that forms it again (_recomputing());
     else it is empty."""
     n, lq, _ = query.shape
     s = input_flatten.shape[1]
@@ -200,11 +202,11 @@ def project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
         return a.view(n, lq, heads, layer.n_levels * layer.n_points)
 
     def head_major_value():
-        return value_of(head_major_linear(layer.value_proj, input_flatten, heads, v_dtype))
+        return value_of(_head_major_linear(layer.value_proj, input_flatten, heads, v_dtype))
 
-    value = head_major_value() if head_major else value_of(linear(layer.value_proj, input_flatten))
-    offsets = offsets_of(linear(layer.sampling_offsets, query))
-    logits = logits_of(linear(layer.attention_weights, query))
+    value = head_major_value() if head_major else value_of(_linear(layer.value_proj, input_flatten))
+    offsets = offsets_of(_linear(layer.sampling_offsets, query))
+    logits = logits_of(_linear(layer.attention_weights, query))
     remakes = []
     mods = (layer.value_proj, layer.sampling_offsets, layer.attention_weights)
     if (recompute and torch.is_grad_enabled() and all(_plain(m) for m in mods)
@@ -322,18 +324,18 @@ class MSDeformAttn(nn.Module):
         fused = self.fused and self.backend != "pytorch"
         # getattr: a module pickled before the option existed has no attribute.
         recompute = fused and getattr(self, "recompute", False)
-        value, offsets, logits, remakes = project(self, query, input_flatten, input_padding_mask,
+        value, offsets, logits, remakes = _project(self, query, input_flatten, input_padding_mask,
                                                   recompute=recompute)
         if reference_points.shape[-1] not in (2, 4):
             raise ValueError("reference_points.shape[-1] must be 2 or 4, got "
                              f"{reference_points.shape[-1]}")
         if fused:
-            with recomputing(remakes):
+            with _recomputing(remakes):
                 output = ms_deform_attn_fused(value, input_spatial_shapes, input_level_start_index,
                                               reference_points, offsets, logits,
                                               backend=self.backend,
                                               spatial_shapes_list=input_spatial_shapes_list)
-            return linear(self.output_proj, output)
+            return _linear(self.output_proj, output)
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
         if reference_points.shape[-1] == 2:
             # Offsets are in pixels of each level: divide by (W, H).
@@ -351,4 +353,4 @@ class MSDeformAttn(nn.Module):
             output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
                                     locations, weights, backend=self.backend,
                                     spatial_shapes_list=input_spatial_shapes_list)
-        return linear(self.output_proj, output)
+        return _linear(self.output_proj, output)

@@ -29,9 +29,11 @@ def ms_deform_attn_pytorch(
     for lvl, ((h, w), start) in enumerate(zip(shapes, starts)):
         # (N, H*W, M, D) -> (N*M, D, H, W)
         v = value[:, start:start + h * w].permute(0, 2, 3, 1).reshape(n * m, d, h, w)
+        # A contiguous grid: torch 2.14's CPU grid_sample returns NaN for a
+        # strided bf16 one.
         sampled.append(
-            F.grid_sample(v, grid[:, :, lvl], mode="bilinear", padding_mode="zeros",
-                          align_corners=False)
+            F.grid_sample(v.contiguous(), grid[:, :, lvl].contiguous(), mode="bilinear",
+                          padding_mode="zeros", align_corners=False)
         )  # (N*M, D, Lq, P)
     stacked = torch.cat(sampled, dim=-1)  # (N*M, D, Lq, L*P), level-major like the weights
     weights = attention_weights.to(dtype).transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
-from ms_deform_attn import workloads as W  # noqa: E402
+from ms_deform_attn import testing as W  # noqa: E402
 
 def profile_table(call, title, reps=10, counts=False):
     """Runs call() 3 times to warm up, then `reps` times under torch.profiler,

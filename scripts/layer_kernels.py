@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from benchmarks import layer as B  # noqa: E402
 from kernel_times import profile_table  # noqa: E402
-from ms_deform_attn import workloads as W  # noqa: E402
+from ms_deform_attn import testing as W  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
 dname = sys.argv[2] if len(sys.argv) > 2 else "bf16"

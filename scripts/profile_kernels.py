@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
-from ms_deform_attn import workloads as W  # noqa: E402
+from ms_deform_attn import testing as W  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
 dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[

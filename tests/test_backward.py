@@ -219,7 +219,7 @@ def test_gradients_on_workloads(device, backend, workload, dtype, deterministic)
     """The canonical workloads (scaled down) with their own location
     generators, `encoder`'s jitter and `smooth`'s trained-like field (designs
     that rely on locality must hold on both), against the float64 reference."""
-    from ms_deform_attn import workloads as W
+    from ms_deform_attn import testing as W
     wl = W.get(workload)
     value, shapes, start, loc, attn = W.make_inputs(wl, dtype, torch.float32, device=device,
                                                     seed=3, requires_grad=True)
@@ -241,7 +241,7 @@ def test_head_major_gradients(device, workload, dtype, deterministic):
     value's gradients bit for bit."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from ms_deform_attn import workloads as W
+    from ms_deform_attn import testing as W
     wl = W.get(workload)
     value, shapes, start, loc, attn = W.make_inputs(wl, dtype, torch.float32, device=device,
                                                     seed=5, requires_grad=True)

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from ms_deform_attn import workloads as W
+from ms_deform_attn import testing as W
 
 
 def test_floors_match_the_spec():
@@ -54,6 +54,24 @@ def test_benchmark_runs_on_a_tiny_workload(tmp_path):
     except ImportError:
         return
     assert (tmp_path / "bench.png").stat().st_size > 0
+
+
+def test_benchmark_times_with_torch_utils_benchmark(tmp_path, capsys):
+    """--timer both: torch.utils.benchmark's blocked_autorange beside the
+    default timer for every row, and its Compare table across backends."""
+    from benchmarks.run import main
+
+    rc = main(["--workloads", "ddetr_dec/16", "--dtypes", "fp32,bf16", "--device", "cpu", "--scale", "1",
+               "--backends", "cpu,reference", "--timer", "both", "--target-ms", "20", "--no-plot",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["env"]["timer"] == "both"
+    for r in result["rows"]:
+        assert r["torch_us"] > 0 and r["torch_iqr_us"] >= 0 and r["time_us"] > 0, r
+        assert r["rel_err"] == r["rel_err"], r  # no NaN: the bf16 reference rows included
+    out = capsys.readouterr().out
+    assert "ms_deform_attn fwd" in out and "ddetr_dec/16 bf16" in out  # the Compare table
 
 
 def test_smooth_generator():

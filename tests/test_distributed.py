@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ms_deform_attn.nn import MSDeformAttn
-from ms_deform_attn.workloads import level_tensors
+from ms_deform_attn.testing import level_tensors
 
 pytestmark = [
     pytest.mark.cuda,

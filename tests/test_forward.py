@@ -140,11 +140,22 @@ def test_locations_on_pixel_borders_and_corners(device, backend):
 
 
 def test_available_backends():
-    assert msda.available_backends("cpu") == ["cpu"]
+    assert msda.available_backends("cpu") == ["cpu", "pytorch"]
     if not torch.cuda.is_available():
         assert msda.available_backends("cuda") == []
     else:
         assert "baseline" in msda.available_backends("cuda")
+        assert msda.available_backends("cuda")[-1] == "pytorch"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_pytorch_backend_is_the_reference(dtype):
+    """backend="pytorch", listed by available_backends, runs the grid_sample
+    reference; backend_reason accepts it on every device."""
+    value, shapes_t, start, loc, attn = make_inputs(2, 7, 2, 8, [(5, 6), (3, 2)], 3, dtype)
+    out = msda.ms_deform_attn(value, shapes_t, start, loc, attn, backend="pytorch")
+    torch.testing.assert_close(out, reference64(value, shapes_t, start, loc, attn).to(dtype))
+    assert msda.backend_reason("pytorch", value, shapes_t, start, loc, attn) == ""
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])

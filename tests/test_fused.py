@@ -6,7 +6,7 @@ import torch
 
 import ms_deform_attn as msda
 from ms_deform_attn.reference import ms_deform_attn_pytorch
-from ms_deform_attn.workloads import level_tensors
+from ms_deform_attn.testing import level_tensors
 from helpers import TOL, bits, device_backends, head_major, host_shapes, rel_err, skip_unless_runs
 
 LEVELS = [(6, 7), (3, 4)]

@@ -8,7 +8,7 @@ import torch
 
 import ms_deform_attn as msda
 from helpers import away_from_pixel_borders, cuda_backends, reference_gather, rel_err
-from ms_deform_attn.workloads import level_tensors
+from ms_deform_attn.testing import level_tensors
 
 pytestmark = pytest.mark.cuda
 

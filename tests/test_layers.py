@@ -10,7 +10,7 @@ from ms_deform_attn.compat import (MSDeformAttnFunction, MultiScaleDeformableAtt
                                    multi_scale_deformable_attn_pytorch)
 from ms_deform_attn.nn import MSDeformAttn
 from ms_deform_attn.reference import ms_deform_attn_pytorch
-from ms_deform_attn.workloads import level_tensors
+from ms_deform_attn.testing import level_tensors
 from helpers import TOL, device_backends, make_inputs, rel_err
 
 LEVELS = [(12, 15), (6, 8), (3, 4)]
@@ -236,13 +236,13 @@ def test_recompute_drops_the_operator_inputs(device, backend, recompute, monkeyp
     import weakref
     import ms_deform_attn.nn as layers
     made = []
-    real = layers.recomputing
+    real = layers._recomputing
 
     def spy(remakes):
         made.extend(weakref.ref(t) for t, _ in remakes)
         return real(remakes)
 
-    monkeypatch.setattr(layers, "recomputing", spy)
+    monkeypatch.setattr(layers, "_recomputing", spy)
     layer, _ = make_pair(device, backend, fused=True)
     layer.recompute = recompute
     args = module_inputs(device)
@@ -255,7 +255,7 @@ def test_recompute_drops_the_operator_inputs(device, backend, recompute, monkeyp
 
 
 def linears_as_modules(layer, query, flat):
-    """What nn.project computes, by calling the layer's linears as modules on
+    """What nn._project computes, by calling the layer's linears as modules on
     the inputs as given."""
     n, lq, _ = query.shape
     m, lvl, pts = layer.n_heads, layer.n_levels, layer.n_points
@@ -268,9 +268,9 @@ def linears_as_modules(layer, query, flat):
     pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 def test_projections_match_the_linears_as_modules(device, autocast):
-    # nn.project casts a (non-leaf) query once under autocast for the two
+    # nn._project casts a (non-leaf) query once under autocast for the two
     # linears that read it: the same results and gradients.
-    from ms_deform_attn.nn import project
+    from ms_deform_attn.nn import _project as project
     layer, _ = make_pair(device, "auto")
     query0, _, flat0, _, _, _, _ = module_inputs(device)
     linears = (layer.value_proj, layer.sampling_offsets, layer.attention_weights)
@@ -735,10 +735,10 @@ def test_layer_linears_use_the_op(monkeypatch):
         for p in layer.parameters():
             p.normal_(0, 0.2)
     x = torch.randn(2, 5, 64, device="cuda")
-    assert "LinearFunction" in msnn.linear(layer.value_proj, x).grad_fn.name()
+    assert "LinearFunction" in msnn._linear(layer.value_proj, x).grad_fn.name()
     seen = []
     handle = layer.value_proj.register_forward_hook(lambda m, i, o: seen.append(1))
-    assert "LinearFunction" not in msnn.linear(layer.value_proj, x).grad_fn.name()
+    assert "LinearFunction" not in msnn._linear(layer.value_proj, x).grad_fn.name()
     assert seen == [1]
     handle.remove()
     query, ref, flat, shapes, start, pad, _ = module_inputs("cuda", d_model=64, mask=True)

@@ -9,7 +9,7 @@ import onnx  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
 from ms_deform_attn.onnx import TRT_DOMAIN, TRT_PLUGIN, export_onnx  # noqa: E402
-from ms_deform_attn.workloads import level_tensors  # noqa: E402
+from ms_deform_attn.testing import level_tensors  # noqa: E402
 
 
 class Head(torch.nn.Module):

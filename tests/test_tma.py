@@ -9,7 +9,7 @@ import torch
 
 import ms_deform_attn as msda
 from helpers import TOL, budget_error, make_inputs, reference64, rel_err, run
-from ms_deform_attn import workloads
+from ms_deform_attn import testing as workloads
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or "tma" not in msda.available_backends("cuda"),

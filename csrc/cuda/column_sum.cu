@@ -5,7 +5,7 @@
 // tall, narrow matrix runs far below the copy rate (benchmarks/NOTES.md);
 // here each row is read once, 16 bytes a lane, and the sums are added in a
 // fixed order: bitwise the same on every run.
-#include "common.cuh"
+#include "device/launch.cuh"
 #include "launch.h"
 
 namespace msda::cuda {

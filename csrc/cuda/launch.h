@@ -32,53 +32,25 @@ cudaError_t cluster_forward(const ForwardParams& p, cudaStream_t stream);  // sm
 // multiple of 16 bytes and at most 512, value 16-byte aligned.
 cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream);
 
-// Backward shared by every forward backend. grad_value_acc must be zeroed;
-// with grad_value_acc null it leaves grad_value out and (cell_keys set) writes
-// the sample keys for the deterministic path instead. p.vec: 16 bytes of the
-// accumulator with grad_value_acc, 32 without (or 1). With p.ref set (the
-// fused operator) only the deterministic path where dots_mma_ok() runs;
-// otherwise it returns cudaErrorInvalidValue.
-cudaError_t backward(const BackwardParams& p, cudaStream_t stream);
+// ---- the backward, by the plan in p.plan (../backward_plan.h) ----------
+// The dots kernels: the location and weight gradients of every sample, and
+// what its grad_value path needs of it (atomic: the atomics themselves into
+// p.grad_value_acc, zeroed; sorted: cell keys and ids; local: block-local
+// records). ffma_dots serves plan.dots == ffma (any dtype; p.vec = plan.vec),
+// mma_dots the tensor-core forms (16-bit values).
+cudaError_t ffma_dots(const BackwardParams& p, cudaStream_t stream);
+cudaError_t mma_dots(const BackwardParams& p, cudaStream_t stream);
 
-// Whether the deterministic path's dots run on tensor cores for p (16-bit
-// values and the deterministic path are the caller's to ensure): D a
-// multiple of 32, at most 32 samples a (query, head) once each level's
-// points are padded to 4, value rows numbered in 32 bits, groups below
-// 2^31, 16-byte aligned value and grad_output. The fused backward
-// (p.ref set) runs only where this holds.
-bool dots_mma_ok(const BackwardParams& p);
-
-// Whether they do: 16-bit values where dots_mma_ok. Then dots_mma_kernel also
-// writes the fused operator's block-local records; otherwise local_footprints
-// writes them before value_grad_local.
-bool dots_on_tensor_cores(const BackwardParams& p);
-
-// Whether the deterministic (sorted) backward is also the faster one for p
-// (value, grad_out and pb set), as measured (benchmarks/NOTES.md): bf16
-// values, whose dots and grad_value then run on tensor cores (D a multiple
-// of 32, at most 32 samples a query once each level's points are padded to
-// 4, 16-byte aligned value and grad_output), and between a third of a
-// sample and D samples a value pixel (S / 3 <= Lq L P <= S D: the encoders;
-// the upper bound keeps the sorted path's scratch within 8x the atomic
-// path's accumulator); and 16-bit values wherever the block-local grad_value
-// applies (local_value_grad_ok: the decoders, no sort).
-bool sorted_backward_preferred(const BackwardParams& p);
-
-// grad_value of the deterministic backward where the samples of one (n, m,
-// level) fit one block (backward_local.cu): Lq P <= 8192, 16-bit or fp32
-// values (locations in fp32 or their dtype) with D a multiple of 16 bytes,
-// 16-byte aligned grad_output, N M S < 2^31, S < 2^30, fewer than 2^31
-// samples, and a current device whose blocks may opt in to the kernel's
-// shared memory.
-// Scratch: the samples' records (BackwardParams::local_cell, local_wts; 20
-// bytes a sample), local_value_grad_scratch_bytes() long and 16-byte aligned,
-// which local_value_grad_records() points p at before backward() (cell_keys
-// null): the dots kernels write them (the fused operator's FFMA kernel's are
-// written by local_value_grad), and `counter`, one unsigned zeroed before the
-// call (the blocks take their work from it). local_value_grad then writes all of
-// grad_value (value's shape, layout and dtype, 16-byte aligned), the same bits on
-// every run.
-bool local_value_grad_ok(const BackwardParams& p);
+// The block-local grad_value (backward/local_grad_value.cu). Scratch: the
+// samples' records (BackwardParams::local_cell, local_wts; 20 bytes a
+// sample), local_value_grad_scratch_bytes() long and 16-byte aligned, which
+// local_value_grad_records() points p at before the dots kernel runs, and
+// `counter`, one unsigned zeroed before the call (the blocks take their work
+// from it). local_value_grad then writes all of grad_value (value's shape,
+// layout and dtype, 16-byte aligned), the same bits on every run.
+// local_value_grad_fits: whether a block may opt in to the kernel's shared
+// memory (`small`: the kernel for Lq P <= kLocalCapSmall), for the planner.
+bool local_value_grad_fits(int smem_optin, bool small);
 int64_t local_value_grad_scratch_bytes(const BackwardParams& p);
 void local_value_grad_records(BackwardParams& p, void* scratch);
 cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,
@@ -105,9 +77,9 @@ struct ColumnSumParams {
 };
 cudaError_t column_sum(const ColumnSumParams& p, cudaStream_t stream);
 
-// Deterministic grad_value (backward_deterministic.cu), after backward() wrote
-// keys and ids. Sizes in elements; keys and ids are unsigned (wide: uint64).
-struct DeterministicBuffers {
+// The sorted grad_value path (backward/sorted_grad_value.cu), after the dots
+// kernel wrote keys and ids. Sizes in elements; keys and ids are unsigned (wide: uint64).
+struct SortedBuffers {
   int64_t items = 0;        // samples: N * Lq * M * L * P
   int64_t cells = 0;        // N * M * cell_stride; also the key of samples that touch nothing
   int end_bit = 0;          // bits the keys use (cells < 2^end_bit)
@@ -117,17 +89,17 @@ struct DeterministicBuffers {
   void* ids = nullptr;
   void* sorted_keys = nullptr;
   void* sorted_ids = nullptr;
-  void* temp = nullptr;     // the sort's scratch, deterministic_temp_bytes() long
+  void* temp = nullptr;     // the sort's scratch, sorted_temp_bytes() long
   size_t temp_bytes = 0;
   void* cell_starts = nullptr;  // cells + 1 int64
   void* rows = nullptr;         // items, like ids: the keys buffer the sort leaves dead
   void* weights = nullptr;      // 4 * items in the accumulation type
   void* grad_value = nullptr;   // (N, S, M, D) in the value's dtype, written completely
-  int vec = 1;              // elements per vector access of the gather (16 / sizeof(T) or 1)
+  int vec = 1;              // plan.gather_vec: elements a vector access of the gather
 };
 // The sort's scratch size for b, in bytes.
-cudaError_t deterministic_temp_bytes(const DeterministicBuffers& b, size_t& bytes);
-cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& b,
+cudaError_t sorted_temp_bytes(const SortedBuffers& b, size_t& bytes);
+cudaError_t sorted_value_grad(const BackwardParams& p, const SortedBuffers& b,
                                      cudaStream_t stream);
 
 }  // namespace msda::cuda

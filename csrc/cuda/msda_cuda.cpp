@@ -6,13 +6,12 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-
 #include "../fused.h"
 #include "../output.h"
 #include "../validation.h"
-#include "backends.h"
-#include "deterministic.h"
+#include "../overrides.h"
+#include "backward/backward.h"
+#include "forward/backends.h"
 #include "launch.h"
 
 namespace msda {
@@ -52,8 +51,7 @@ at::Tensor launch_forward(Prepared& in, const cuda::CudaBackend& impl, const flo
     p.workspace = workspace.data_ptr();
     C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, bytes, stream));
   }
-  // Test hook: shrink the shared-memory budget of the caching backends.
-  if (const char* env = std::getenv("MS_DEFORM_ATTN_SMEM_BUDGET")) p.smem_budget = std::atoll(env);
+  p.smem_budget = smem_budget_override();  // a test hook of the caching backends
   C10_CUDA_CHECK(impl.forward(p, stream));
   return out;
 }
@@ -135,31 +133,6 @@ BackwardParams backward_params(Prepared& in, const at::Tensor& grad_output, cons
   return p;
 }
 
-// Sets p.vec: vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64
-// channels) with atomics, 32 bytes on the sorted path (see backward.cu).
-// Returns the width wanted, which p.vec falls short of where D or the
-// pointers' alignment do not allow it.
-int pick_backward_vec(BackwardParams& p, const Prepared& in, bool sorted) {
-  const int want = (in.value.scalar_type() == at::kDouble ? 2 : 4) * (sorted ? 2 : 1);
-  p.vec = cuda::pick_vec(in.pb.D, in.value.element_size(), want, {p.value, p.grad_out});
-  return want;
-}
-
-// grad_value in value's dtype: by the sorted path, or accumulated with
-// atomics into a zeroed fp32 (fp64) buffer by backward_kernel, which also
-// writes p's location and weight gradients.
-at::Tensor grad_value_of(BackwardParams& p, const Prepared& in, bool sorted, cudaStream_t stream) {
-  if (sorted) return cuda::deterministic_grad_value(p, in, stream);
-  const auto vt = in.value.scalar_type();
-  auto acc = value_shaped(in.pb, in.value.options().dtype(vt == at::kDouble ? at::kDouble : at::kFloat),
-                          /*zeroed=*/true);
-  if (in.pb.N * in.pb.Lq * in.pb.M > 0) {
-    p.grad_value_acc = acc.data_ptr();
-    C10_CUDA_CHECK(cuda::backward(p, stream));
-  }
-  return acc.to(vt);
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
@@ -173,21 +146,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   BackwardParams p = backward_params(in, grad_output, value, gout);
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
-  // The sorted backward is bitwise reproducible; where it is also the faster
-  // one it serves every call, not only the ones that ask for determinism.
-  const bool sorted = cuda::use_sorted_backward(p, deterministic);
-  pick_backward_vec(p, in, sorted);
-  at::Tensor grad_value = grad_value_of(p, in, sorted, at::cuda::getCurrentCUDAStream());
+  p.plan = cuda::plan_for(p, /*fused=*/false, deterministic);
+  at::Tensor grad_value = cuda::run_backward(p, in, at::cuda::getCurrentCUDAStream());
   return {grad_value, grad_loc.to(in.loc_dtype_in), grad_attn.to(in.attn_dtype_in)};
 }
 
 // The fused operator's backward on CUDA (without the reference points'
 // gradient): its kernels form the locations and the softmax themselves and
-// write the offsets' and logits' gradients: the sorted path's tensor-core
-// dots (16-bit values where dots_mma_ok; gradients in the offsets' dtype),
-// else backward_kernel (sorted or with atomics; float32 gradients, then
-// converted), where it takes a whole row a task with vector accesses in one
-// channel pass. Elsewhere (fp64 values, odd D) the composite (fused.cpp).
+// write the offsets' and logits' gradients (in the offsets' dtype from the
+// tensor-core dots, else float32, then converted). Where the plan says so
+// (fp64 values, rows the FFMA kernel cannot take in one vectorised pass) the
+// composite (fused.cpp) serves it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& reference_points,
@@ -199,8 +168,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
                                     reference_points, sampling_offsets, attention_logits,
                                     deterministic);
   };
-  const auto vt = value.scalar_type();
-  if (vt == at::kDouble) return composite();
   FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
                                   sampling_offsets, attention_logits);
   Prepared& in = f.in;
@@ -208,14 +175,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
   const auto& pb = in.pb;
   at::Tensor gout;
   BackwardParams p = backward_params(in, grad_output, value, gout);
-  if (pb.N * pb.Lq * pb.M == 0) return composite();
-  const bool sorted = cuda::use_sorted_backward(p, deterministic);
-  const bool dots = sorted && vt != at::kFloat && cuda::dots_mma_ok(p);
-  const int want = pick_backward_vec(p, in, sorted);
-  if (!dots && (p.vec != want || pb.D > int64_t(32) * want)) {  // one channel pass
-    return composite();
-  }
-  const auto grads = dots ? in.loc.options() : in.loc.options().dtype(at::kFloat);
+  p.plan = cuda::plan_for(p, /*fused=*/true, deterministic);
+  if (p.plan.composite) return composite();
+  const auto grads = p.plan.dots != DotsKernel::ffma ? in.loc.options() : in.loc.options().dtype(at::kFloat);
   auto grad_off = new_output(in.loc.sizes(), grads);
   auto grad_logits = new_output(in.attn.sizes(), grads);
   p.grad_loc = grad_off.data_ptr();
@@ -223,11 +185,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
   p.ref = f.ref.data_ptr<float>();
   p.ref_dim = s.boxes ? 4 : 2;
   at::Tensor row_stats;
-  if (sorted) {
+  if (p.plan.deterministic()) {
     row_stats = at::empty({pb.N * pb.Lq * pb.M, 2}, in.loc.options().dtype(at::kFloat));
     p.row_stats = row_stats.data_ptr<float>();
   }
-  at::Tensor grad_value = grad_value_of(p, in, sorted, at::cuda::getCurrentCUDAStream());
+  at::Tensor grad_value = cuda::run_backward(p, in, at::cuda::getCurrentCUDAStream());
   return {grad_value, grad_off.to(sampling_offsets.scalar_type()),
           grad_logits.to(attention_logits.scalar_type()).view(attention_logits.sizes())};
 }

@@ -18,8 +18,8 @@
 //   barrier, and thread 0 issues the copies.
 // - Levels the descriptors cannot serve (host shapes that disagree with the
 //   device tensors, no box) read global memory only.
-#include "sampler.cuh"
-#include "launch.h"
+#include "../device/sampler.cuh"
+#include "../launch.h"
 #include "tma_maps.h"
 
 namespace msda::cuda {

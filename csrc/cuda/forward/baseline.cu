@@ -4,8 +4,8 @@
 // with 16-byte vector loads. fp32 (fp64 for fp64) coordinate math and
 // accumulation. For ms_deform_attn_fused it also forms the locations and
 // the softmax from the offsets and logits (FusedPoints, sampler.cuh).
-#include "sampler.cuh"
-#include "launch.h"
+#include "../device/sampler.cuh"
+#include "../launch.h"
 
 namespace msda::cuda {
 namespace {
@@ -15,7 +15,7 @@ namespace {
 template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM, 32 warps): the gather is
 // latency-bound and no spills result (ptxas: 60-63 registers).
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     baseline_forward_kernel(const ForwardParams p, const int lanes) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;

@@ -9,7 +9,7 @@
 
 #include <string>
 
-#include "../params.h"
+#include "../../params.h"
 
 namespace msda::cuda {
 

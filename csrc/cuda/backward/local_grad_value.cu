@@ -1,10 +1,10 @@
-// The deterministic backward's grad_value where the samples of one (n, m,
+// The block-local grad_value path: grad_value where the samples of one (n, m,
 // level) fit one block (Lq P <= kLocalCap, 8192: the decoders, with DINO's
 // denoising queries too): no global sort.
 // Every sample is resolved once, into a record (BackwardParams::local_cell,
 // local_wts): its cell within its level and its four corner weights, a (n,
 // m, level)'s records contiguous. The dots kernel writes them as it resolves
-// the samples (backward.cu); for the fused operator's FFMA kernel (fp32
+// the samples (ffma_dots.cu, mma_dots.cu); for the fused operator's FFMA kernel (fp32
 // values) local_footprints does, after it. Then a block owns a
 // tile of at most kTileH x kTileW pixels of one (n, m, level): it reads the
 // cells of that (n, m, level), keeps the samples whose footprint touches the
@@ -25,8 +25,10 @@
 #include <cub/block/block_radix_sort.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "common.cuh"
-#include "launch.h"
+#include "../device/fused_samples.cuh"
+#include "../device/grad_value_records.cuh"
+#include "../device/launch.cuh"
+#include "../launch.h"
 
 namespace msda::cuda {
 namespace {
@@ -35,8 +37,7 @@ namespace {
 // (the decoders: 8 a thread) or, for the Lq P up to 8192 that DINO's
 // denoising queries give, 8192 (16 a thread; it spills, but the global sort
 // it replaces is slower still).
-constexpr int kLocalCapSmall = 4096, kLocalCap = 8192;
-constexpr int kLocalThreads = 512, kLocalBlocksPerSm = 2;  // 64 registers a thread
+// (kLocalCapSmall, kLocalCap, kLocalThreads and kLocalBlocksPerSm: launch_shapes.h.)
 static_assert(kLocalCapSmall % kLocalThreads == 0 && kLocalCap % kLocalThreads == 0,
               "a block's sort holds kCap samples");
 constexpr int kTileH = 32, kTileW = 64;
@@ -118,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) local_footprints(const BackwardParam
     const Level& lv = levels[l];
     float w;
     const float* ref_row = p.ref + (int64_t(nq) * L + l) * p.ref_dim;
-    const auto b = resolve_sample<float, LT, true>(p, (int64_t(row) * L + l) * P + pp, row, ref_row, lv, w);
+    const auto b = resolve_sample_at<float, LT, true>(p, (int64_t(row) * L + l) * P + pp, row, ref_row, lv, w);
     write_local_record(p, o, b, lv.W, w);
   }
 }
@@ -361,7 +362,7 @@ struct LocalParams {
 template <typename T, typename LT, int VEC>
 struct LocalLaunch {
   static cudaError_t run(const LocalParams& g, cudaStream_t stream) {
-    // Instantiated only for what local_value_grad_ok admits: 16-bit or fp32
+    // Instantiated only for what the planner's local_value_grad_ok admits: 16-bit or fp32
     // values, 16-byte vectors, locations in fp32 or the values' dtype (the
     // fused operator's offsets and logits under autocast; only
     // local_footprints reads them).
@@ -374,10 +375,10 @@ struct LocalLaunch {
       float4* wts = static_cast<float4*>(g.bw.local_wts);
       // The fused operator's records: written by its tensor-core dots kernel
       // where it ran, else (backward_kernel) here.
-      if (g.bw.ref != nullptr && !dots_on_tensor_cores(g.bw)) {
+      if (g.bw.ref != nullptr && g.bw.plan.dots == DotsKernel::ffma) {
         const int64_t items = sample_count(g.pb);
         const unsigned grid = static_cast<unsigned>(
-            std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(d.sms) * 16));
+            std::min<int64_t>((items + kThreads - 1) / kThreads, int64_t(d.sms) * kFootprintBlocksPerSm));
         local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw);
       }
       if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
@@ -405,17 +406,9 @@ int64_t records_offset(int64_t items) { return (4 * items + 15) / 16 * 16; }  //
 
 }  // namespace
 
-bool local_value_grad_ok(const BackwardParams& p) {
-  const Problem& pb = p.pb;
-  const int64_t elem = dtype_bytes(pb.value_dtype);
-  DeviceLimits d;  // the current device's: its blocks must hold LocalSmem
-  const size_t smem = small_cap(pb) ? sizeof(LocalSmem<kLocalCapSmall>) : sizeof(LocalSmem<kLocalCap>);
-  if (device_limits(d) != cudaSuccess || d.smem_optin < int(smem)) return false;
-  return pb.value_dtype != DType::f64 && pb.L >= 1 &&
-         pb.Lq * pb.P <= kLocalCap && pb.N * pb.M * pb.S < (int64_t(1) << 31) &&
-         pb.S < (int64_t(1) << 30) && sample_count(pb) < (int64_t(1) << 31) &&
-         pb.M * pb.D * elem <= int64_t(UINT32_MAX) &&
-         pb.D % (16 / elem) == 0 && reinterpret_cast<uintptr_t>(p.grad_out) % 16 == 0;
+bool local_value_grad_fits(int smem_optin, bool small) {
+  const size_t smem = small ? sizeof(LocalSmem<kLocalCapSmall>) : sizeof(LocalSmem<kLocalCap>);
+  return size_t(smem_optin) >= smem;
 }
 
 int64_t local_value_grad_scratch_bytes(const BackwardParams& p) {
@@ -431,7 +424,7 @@ void local_value_grad_records(BackwardParams& p, void* scratch) {
 
 cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,
                              cudaStream_t stream) {
-  if (!local_value_grad_ok(p) || reinterpret_cast<uintptr_t>(grad_value) % 16 != 0 ||
+  if (p.plan.grad_value != GradValuePath::local || reinterpret_cast<uintptr_t>(grad_value) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(p.local_wts) % 16 != 0 || counter == nullptr) {
     return cudaErrorInvalidValue;
   }

@@ -6,6 +6,8 @@
 #include <algorithm>
 
 #include "common.cuh"
+#include "fused_samples.cuh"
+#include "launch.cuh"
 
 namespace msda::cuda {
 

@@ -25,8 +25,8 @@
 #include <mutex>
 #include <tuple>
 
-#include "sampler.cuh"
-#include "launch.h"
+#include "../device/sampler.cuh"
+#include "../launch.h"
 
 namespace msda::cuda {
 namespace {

@@ -1,14 +1,17 @@
-// The CUDA backend table (see backends.h) and the auto policy, and the hooks
-// through which ../backends.cpp asks it.
+// The CUDA forward backend table (see backends.h) and the auto policy, and
+// the hooks through which ../../backends.cpp asks it (the backward planner's
+// device limits too).
 #include "backends.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 
-#include <cstdlib>
 #include <sstream>
 
-#include "../backends.h"
-#include "launch.h"
+#include "../../backends.h"
+#include "../../overrides.h"
+#include "../backward/backward.h"
+#include "../launch.h"
 
 namespace msda::cuda {
 namespace {
@@ -96,9 +99,7 @@ std::vector<std::string> available(int device) {
 }
 
 std::string select(const Problem& pb, int device) {
-  if (const char* env = std::getenv("MS_DEFORM_ATTN_BACKEND")) {
-    if (*env && std::string(env) != "auto") return env;
-  }
+  if (std::string name = backend_override(); !name.empty()) return name;
   const auto& pr = props(resolve_device(device));
   for (const auto& b : kBackends) {
     if (b.device_reason(pr).empty() && b.problem_reason(pb, pr).empty() && b.auto_ok(pb, pr)) {
@@ -143,6 +144,10 @@ const bool kHooksInstalled = [] {
   cuda_hooks().available = &available;
   cuda_hooks().select = &select;
   cuda_hooks().reason = &reason;
+  cuda_hooks().backward_device = [](int device) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(resolve_device(device)));
+    return backward_device();
+  };
   return true;
 }();
 

@@ -1,7 +1,7 @@
-// Deterministic grad_value: a gather instead of atomics, so every run adds the
-// same numbers in the same order and the result is bitwise reproducible.
+// The sorted grad_value path: a gather instead of atomics, so every run adds
+// the same numbers in the same order and the result is bitwise reproducible.
 //
-//   1. backward_kernel (backward.cu) computes grad of locations and weights as
+//   1. the dots kernel (ffma_dots.cu, mma_dots.cu) computes grad of locations and weights as
 //      usual (those are deterministic already) and writes, for every sample,
 //      the key of the bilinear cell its footprint lies in (cell_key()).
 //   2. sort_samples: a stable radix sort of (key, sample index) over only the
@@ -21,9 +21,11 @@
 
 #include <algorithm>
 
-#include "common.cuh"
-#include "launch.h"
-#include "tensor_core.cuh"
+#include "../device/fused_samples.cuh"
+#include "../device/grad_value_records.cuh"
+#include "../device/launch.cuh"
+#include "../device/tensor_core.cuh"
+#include "../launch.h"
 
 namespace msda::cuda {
 namespace {
@@ -33,7 +35,7 @@ struct GatherParams {
   Problem pb;
   int vec;
   BackwardParams bw;
-  const DeterministicBuffers* buf;
+  const SortedBuffers* buf;
 };
 
 // start[c] = first sorted position whose key is >= c, for c in [0, cells],
@@ -76,12 +78,12 @@ __global__ void cell_starts_kernel(const K* __restrict__ sorted, int64_t items, 
 }
 
 template <typename K>
-cudaError_t launch_cell_starts(const DeterministicBuffers& b, cudaStream_t stream) {
+cudaError_t launch_cell_starts(const SortedBuffers& b, cudaStream_t stream) {
   DeviceLimits d;
   if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
   const auto* keys = static_cast<const K*>(b.sorted_keys);
   auto* start = static_cast<int64_t*>(b.cell_starts);
-  if (b.items >= int64_t(8) * 2048 * d.sms) {
+  if (b.items >= kCellStartsWideFromPerSm * d.sms) {
     cell_starts_kernel<8><<<grid_for((b.items + 8) / 8), kThreads, 0, stream>>>(keys, b.items, b.cells,
                                                                                 start);
   } else {
@@ -115,7 +117,7 @@ __global__ void __launch_bounds__(kThreads)
   const Level lv = levels[l];
   A w;
   const float* ref_row = kFused ? p.ref + (row / pb.M * pb.L + l) * p.ref_dim : nullptr;
-  const auto b = resolve_sample<A, LT, kFused>(p, id, row, ref_row, lv, w);
+  const auto b = resolve_sample_at<A, LT, kFused>(p, id, row, ref_row, lv, w);
   // The arithmetic of the key's: the same cell, hence the same corners.
   rows[j] = Id(row);
 #pragma unroll
@@ -170,7 +172,6 @@ __device__ bool load_gather_tables(const BackwardParams& p, GatherTables<I>& t, 
 }
 
 constexpr int kBatch = 4;  // walk entries a slot loads at once
-constexpr int kWarps = kThreads / 32;
 
 // Slots a pixel of level lv gets (a power of two <= slots): about one per
 // kSpread kBatch of the corner entries a pixel of the level has on average
@@ -202,7 +203,7 @@ __device__ __forceinline__ int64_t level_items(const Level& lv, int slots, int g
 // channels, kBatch entries at a time with their loads in flight together,
 // and a fixed shuffle tree adds the slots: the same order on every run.
 template <typename T, int VEC, typename Id>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, kPixelsMinBlocksPerSm)
     value_grad_pixels(const BackwardParams p, const Id* __restrict__ rows,
                       const acc_t<T>* __restrict__ wts, const int64_t* __restrict__ cell_start,
                       T* __restrict__ grad_value, const int lanes) {
@@ -354,7 +355,7 @@ struct TileEntry {
 // 80 registers, 3 blocks an SM (at 64 it spills). A G copied a round ahead
 // into a second buffer measured slower (benchmarks/NOTES.md).
 template <typename Id>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
     value_grad_tiles(const BackwardParams p, const Id* __restrict__ rows,
                      const float* __restrict__ wts, const Id* __restrict__ keys,
                      const int64_t* __restrict__ cell_start, __nv_bfloat16* __restrict__ grad_value) {
@@ -542,7 +543,7 @@ struct GatherLaunch {
   template <typename Id>
   static cudaError_t go(const GatherParams& g, cudaStream_t stream) {
     using A = acc_t<T>;
-    const DeterministicBuffers& b = *g.buf;
+    const SortedBuffers& b = *g.buf;
     const BackwardParams& p = g.bw;
     const auto* start = static_cast<const int64_t*>(b.cell_starts);
     const auto* sorted = static_cast<const Id*>(b.sorted_ids);
@@ -564,11 +565,12 @@ struct GatherLaunch {
     DeviceLimits d;
     if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
     if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC == 8) {
-      // VEC == 8: grad_output and grad_value 16-byte aligned, D a multiple of
-      // 8; fewer than 2^31 pixels for the tiles' 32-bit item arithmetic.
-      if (p.pb.D % 32 == 0 && items < (int64_t(1) << 31)) {
-        // As many blocks as fit (3 an SM), the rest of the items in turn.
-        value_grad_tiles<Id><<<static_cast<unsigned>(d.sms) * 3, kThreads, 0, stream>>>(
+      // The planner's tiles: bf16, VEC == 8 (grad_output and grad_value
+      // 16-byte aligned), D a multiple of 32, fewer than 2^31 pixels for the
+      // tiles' 32-bit item arithmetic.
+      if (p.plan.gather == GatherKernel::tiles) {
+        // As many blocks as fit (__launch_bounds__), the rest of the items in turn.
+        value_grad_tiles<Id><<<static_cast<unsigned>(d.sms) * kTilesBlocksPerSm, kThreads, 0, stream>>>(
             p, rows, wts, static_cast<const Id*>(b.sorted_keys), start, out);
         return cudaGetLastError();
       }
@@ -577,7 +579,7 @@ struct GatherLaunch {
     // taken in turn (grid stride).
     const int lanes = lanes_for(p.pb.D, VEC);
     const unsigned blocks = static_cast<unsigned>(
-        std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(d.sms) * 8)));
+        std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(d.sms) * kPixelsBlocksPerSm)));
     value_grad_pixels<T, VEC, Id><<<blocks, kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
     return cudaGetLastError();
   }
@@ -591,14 +593,14 @@ struct GatherLaunch {
 // on the host once the call returns, and b then points at it (sorted_*), and
 // rows at the dead keys buffer.
 template <typename K>
-cudaError_t sort_pairs(void* temp, size_t& temp_bytes, DeterministicBuffers& b, cudaStream_t stream) {
+cudaError_t sort_pairs(void* temp, size_t& temp_bytes, SortedBuffers& b, cudaStream_t stream) {
   cub::DoubleBuffer<K> keys(static_cast<K*>(b.keys), static_cast<K*>(b.sorted_keys));
   cub::DoubleBuffer<K> ids(static_cast<K*>(b.ids), static_cast<K*>(b.sorted_ids));
   // 32-bit offsets on the large sorts: cub then takes more items a thread
   // (faster on ddetr_enc, slower on rtdetr_dec's 0.46 M; benchmarks/NOTES.md,
   // tenth session). The size query goes through here too, so the temp
   // storage matches the call.
-  const bool offsets32 = b.items >= (int64_t(1) << 22) && b.items <= int64_t(INT32_MAX);
+  const bool offsets32 = b.items >= kSortOffsets32From && b.items <= int64_t(INT32_MAX);
   const cudaError_t err =
       offsets32 ? cub::DeviceRadixSort::SortPairs(temp, temp_bytes, keys, ids, static_cast<uint32_t>(b.items),
                                                   0, b.end_bit, stream)
@@ -613,16 +615,16 @@ cudaError_t sort_pairs(void* temp, size_t& temp_bytes, DeterministicBuffers& b, 
 
 }  // namespace
 
-cudaError_t deterministic_temp_bytes(const DeterministicBuffers& b, size_t& bytes) {
+cudaError_t sorted_temp_bytes(const SortedBuffers& b, size_t& bytes) {
   bytes = 0;
-  DeterministicBuffers sizes = b;
+  SortedBuffers sizes = b;
   return b.wide ? sort_pairs<uint64_t>(nullptr, bytes, sizes, nullptr)
                 : sort_pairs<unsigned>(nullptr, bytes, sizes, nullptr);
 }
 
-cudaError_t deterministic_value_grad(const BackwardParams& p, const DeterministicBuffers& buffers,
+cudaError_t sorted_value_grad(const BackwardParams& p, const SortedBuffers& buffers,
                                      cudaStream_t stream) {
-  DeterministicBuffers b = buffers;
+  SortedBuffers b = buffers;
   size_t bytes = b.temp_bytes;
   cudaError_t err = b.wide ? sort_pairs<uint64_t>(b.temp, bytes, b, stream)
                            : sort_pairs<unsigned>(b.temp, bytes, b, stream);

@@ -1,5 +1,9 @@
-// Device helpers shared by every CUDA kernel: dtype conversion, vector loads
-// and stores, level metadata, and dtype dispatch for the launchers.
+// Device helpers shared by every CUDA kernel: dtype conversion, vector loads,
+// stores and atomics, clamped corners, per-query rows, level metadata and the
+// lanes of a group. Topics of their own: fused_samples.cuh (the fused
+// operator's locations and weights), grad_value_records.cuh (cell keys and
+// block-local records of the sorted backward paths), launch.cuh (dtype
+// dispatch and launch helpers), sampler.cuh (the bilinear gather).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,12 +11,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <mutex>
 #include <type_traits>
 
-#include "../dispatch.h"
-#include "../params.h"
-#include "../sampling.h"
+#include "../../params.h"
+#include "../../sampling.h"
+#include "../launch_shapes.h"
 
 namespace msda::cuda {
 
@@ -240,153 +243,6 @@ __device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
   if (l < L) lv[l] = ok ? Level{int(H), int(W), st, false} : Level{1, 1, 0, true};
 }
 
-// ---- ms_deform_attn_fused: locations and weights formed in the kernels ------
-// The location of a point from its sampling offset `o` (pixels for points,
-// units of half the box over P for boxes) and its query's reference `r` on
-// its level lv (ref_dim 2: (x, y); 4: (cx, cy, w, h)): r + o / (W, H), or
-// r_xy + o * r_wh * half_p with half_p = 0.5 / P, as multiplications by the
-// level's reciprocals (within an ulp or two of the composite's divisions,
-// csrc/fused.cpp). Explicitly rounded operations, so that every kernel that
-// forms a location gets the same bits (the sorted backward finds a sample's
-// cell twice).
-__device__ __forceinline__ void fused_location(const float (&o)[2], const float* r, int ref_dim,
-                                               float half_p, const Level& lv, float& x, float& y) {
-  if (ref_dim == 4) {
-    x = __fmaf_rn(o[0], __fmul_rn(r[2], half_p), r[0]);
-    y = __fmaf_rn(o[1], __fmul_rn(r[3], half_p), r[1]);
-  } else {
-    x = __fmaf_rn(o[0], __frcp_rn(float(lv.W)), r[0]);
-    y = __fmaf_rn(o[1], __frcp_rn(float(lv.H)), r[1]);
-  }
-}
-
-// d location / d offset of fused_location, times W (H): what the kernels'
-// d out / d (W x) turns into the offset's gradient.
-__device__ __forceinline__ void fused_offset_scale(const float* r, int ref_dim, float half_p,
-                                                   const Level& lv, float& sx, float& sy) {
-  if (ref_dim == 4) {
-    sx = float(lv.W) * r[2] * half_p;
-    sy = float(lv.H) * r[3] * half_p;
-  } else {
-    sx = sy = 1.f;  // (1 / W) x W
-  }
-}
-
-// Softmax weight of a logit given its row's max and the reciprocal of its
-// sum of exp(logit - max).
-__device__ __forceinline__ float fused_weight(float z, float max, float inv_sum) {
-  return __fmul_rn(expf(z - max), inv_sum);
-}
-
-// A sample of the sorted backward's grad_value, resolved for its corner
-// weights: location and attention weight from the operator's inputs (kFused:
-// from the offset, the reference row `ref_row` of its query and level, the
-// logit and the row's softmax statistics the dots kernel wrote, by the dots
-// kernel's arithmetic), then its footprint on level lv. The weight (w, the
-// level's poison applied) goes to `w`. Every kernel that resolves a sample
-// for grad_value does it through here, so all find the same cell.
-template <typename A, typename LT, bool kFused>
-__device__ __forceinline__ Bilinear<A> resolve_sample(const BackwardParams& p, int64_t id, int64_t row,
-                                                      const float* ref_row, const Level& lv, A& w) {
-  A xy[2];
-  if constexpr (kFused) {
-    static_assert(std::is_same_v<A, float>, "the fused operator accumulates in float");
-    float o[2];
-    load_xy(static_cast<const LT*>(p.loc) + 2 * id, o);
-    fused_location(o, ref_row, p.ref_dim, 0.5f / float(p.pb.P), lv, xy[0], xy[1]);
-    const float2 st = __ldg(reinterpret_cast<const float2*>(p.row_stats) + row);
-    w = lv.weight(fused_weight(float(to_acc(__ldg(static_cast<const LT*>(p.attn) + id))), st.x, st.y));
-  } else {
-    load_xy(static_cast<const LT*>(p.loc) + 2 * id, xy);
-    w = lv.weight(A(to_acc(__ldg(static_cast<const LT*>(p.attn) + id))));
-  }
-  return make_bilinear<A>(xy[0], xy[1], w, lv.H, lv.W);
-}
-
-// ---- cells (deterministic backward) ---------------------------------------
-// Every bilinear cell (h0, w0), h0 in [-1, H), w0 in [-1, W), of every level of
-// every (n, m) gets one key, so that sorting samples by key groups the samples
-// that touch a pixel. Level l's cells start at cell_base[l] = the sum over the
-// levels before it of (H + 1) * (W + 1); (H + 1) * (W + 1) <= 2 * H * W + 2,
-// so 2 * S + 2 * L keys per (n, m) (the host's cell_stride) hold them all.
-// Call with every thread, after load_levels() and a __syncthreads().
-__device__ __forceinline__ void load_cell_bases(int64_t* base, const Level* lv, int L) {
-  if (threadIdx.x == 0) {
-    int64_t acc = 0;
-    for (int l = 0; l < L; ++l) {
-      base[l] = acc;
-      acc += (int64_t(lv[l].H) + 1) * (int64_t(lv[l].W) + 1);
-    }
-  }
-}
-
-// The level table and, when `cells` (uniform over the block), the cell
-// bases: load_levels() and load_cell_bases() with their barriers. Call with
-// every thread of the block.
-__device__ __forceinline__ void load_levels_and_cells(Level* lv, int64_t* base,
-                                                      const int64_t* shapes, const int64_t* starts,
-                                                      int L, int64_t S, bool cells) {
-  load_levels(lv, shapes, starts, L, S);
-  __syncthreads();
-  if (cells) {
-    load_cell_bases(base, lv, L);
-    __syncthreads();
-  }
-}
-
-__device__ __forceinline__ uint64_t cell_key(int64_t nm, int64_t cell_stride, int64_t level_base,
-                                             int h0, int w0, int W) {
-  return uint64_t(nm * cell_stride + level_base + int64_t(h0 + 1) * (W + 1) + (w0 + 1));
-}
-
-// grad_value zeroed by the whole grid: what the gathers write when the level
-// table on the device is inconsistent (load_levels' poison), since no sample
-// adds anything then.
-template <typename T>
-__device__ __forceinline__ void zero_grad_value(const Problem& pb, T* grad_value) {
-  const int64_t total = pb.N * pb.S * pb.M * pb.D;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    grad_value[i] = from_acc<T>(acc_t<T>(0));
-  }
-}
-
-// ---- block-local records --------------------------------------------------
-// The dots kernels (or local_footprints) resolve every sample once and leave
-// what the block-local grad_value needs of it (BackwardParams::local_cell,
-// local_wts): its cell on its level (local_cell_of) and its four corner
-// weights times its attention weight in the order (0, 2, 1, 3), the left
-// column's corners 0 and 2, then the right's 1 and 3, which the column walk
-// reads as pairs (store_record_weights).
-template <typename A>
-__device__ __forceinline__ void store_record_weights(A* dst, const Bilinear<A>& b, A w) {
-  if constexpr (std::is_same_v<A, float>) {
-    *reinterpret_cast<float4*>(dst) =
-        make_float4(w * b.weight(0), w * b.weight(2), w * b.weight(1), w * b.weight(3));
-  } else {
-    reinterpret_cast<double2*>(dst)[0] = make_double2(w * b.weight(0), w * b.weight(2));
-    reinterpret_cast<double2*>(dst)[1] = make_double2(w * b.weight(1), w * b.weight(3));
-  }
-}
-
-// The block-local record's cell: (h0 + 1) (W + 1) + w0 + 1 on the sample's
-// level, kNoCell where the sample adds nothing (off the map, poisoned).
-constexpr uint32_t kNoCell = 0xffffffffu;
-template <typename A>
-__device__ __forceinline__ uint32_t local_cell_of(const Bilinear<A>& b, int W) {
-  return b.inside && !b.poisoned() ? uint32_t(b.h0 + 1) * uint32_t(W + 1) + uint32_t(b.w0 + 1) : kNoCell;
-}
-
-// Record o: the cell of sample b on a level of width W and, where it adds
-// something, its corner weights times w.
-template <typename A>
-__device__ __forceinline__ void write_local_record(const BackwardParams& p, uint32_t o, const Bilinear<A>& b,
-                                                   int W, A w) {
-  const uint32_t cell = local_cell_of(b, W);
-  static_cast<uint32_t*>(p.local_cell)[o] = cell;
-  if (cell != kNoCell) store_record_weights<A>(static_cast<A*>(p.local_wts) + 4 * int64_t(o), b, w);
-}
-
 // ---- work decomposition ----------------------------------------------------
 // A (n, q, m) group is served by `lanes` consecutive threads (a power of two
 // <= 32, so a group never straddles a warp); lane j owns channels
@@ -411,75 +267,6 @@ __device__ __forceinline__ void group_sum(A (&v)[K], int lanes) {
       for (int j = 0; j < K; ++j) v[j] += __shfl_xor_sync(0xffffffffu, v[j], o);
     }
   }
-}
-
-// ---- dtype dispatch --------------------------------------------------------
-// Runs Launch<T, LT, VEC>::run(p, stream) for the problem's dtype pair, with
-// VEC = kVecBytes bytes (of T, or of the accumulator type when kVecOfAcc)
-// when the binding allowed vector access (p.vec), else 1. The kernels are
-// instantiated for exactly these two widths.
-template <template <typename, typename, int> class Launch, bool kVecOfAcc = false,
-          int kVecBytes = 16, typename Params>
-cudaError_t launch_for_dtypes(const Params& p, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  dispatch_dtypes<__half, __nv_bfloat16>(p.pb, [&](auto t, auto lt) {
-    using T = typename decltype(t)::type;
-    using LT = typename decltype(lt)::type;
-    constexpr int kVec =
-        kVecBytes / static_cast<int>(kVecOfAcc ? sizeof(acc_t<T>) : sizeof(T));
-    err = p.vec == kVec ? Launch<T, LT, kVec>::run(p, stream) : Launch<T, LT, 1>::run(p, stream);
-  });
-  return err;
-}
-
-constexpr int kThreads = 256;
-
-// Device figures the caching backends size their launches from.
-struct DeviceLimits {
-  int sms = 0;
-  int smem_optin = 0;  // shared memory a block may opt in to
-};
-
-inline cudaError_t query_device_limits(int dev, DeviceLimits& d) {
-  cudaError_t err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  return err;
-}
-
-// The current device's figures, asked of the driver once per device (they
-// do not change while the process runs) instead of on every launch.
-inline cudaError_t device_limits(DeviceLimits& d) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  constexpr int kMaxDevices = 64;
-  if (dev < 0 || dev >= kMaxDevices) return query_device_limits(dev, d);
-  static std::once_flag once[kMaxDevices];
-  static DeviceLimits cached[kMaxDevices];
-  static cudaError_t status[kMaxDevices];
-  std::call_once(once[dev], [dev] { status[dev] = query_device_limits(dev, cached[dev]); });
-  d = cached[dev];
-  return status[dev];
-}
-
-// Division of a 31-bit numerator by a divisor fixed at launch: a multiply-
-// high, an add and a shift instead of the division routine (Granlund and
-// Montgomery's method; the numerator below 2^31 keeps the add in 32 bits).
-struct FastDiv {
-  uint32_t mul = 1, shift = 0;
-  FastDiv() = default;
-  __host__ __device__ explicit FastDiv(uint32_t d) {  // d >= 1
-    while ((uint64_t(1) << shift) < d) ++shift;
-    mul = static_cast<uint32_t>((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d) / d + 1);
-  }
-  __device__ __forceinline__ uint32_t operator()(uint32_t n) const {
-    return (__umulhi(n, mul) + n) >> shift;
-  }
-};
-
-inline unsigned grid_for(int64_t threads) {
-  return static_cast<unsigned>((threads + kThreads - 1) / kThreads);
 }
 
 }  // namespace msda::cuda

@@ -30,8 +30,8 @@
 // than `baseline`, so `auto` never picks it.
 #include <algorithm>
 
-#include "sampler.cuh"
-#include "launch.h"
+#include "../device/sampler.cuh"
+#include "../launch.h"
 
 namespace msda::cuda {
 namespace {

@@ -1,0 +1,62 @@
+// The backward's policy, in one place (the plan's fields: params.h): which grad_value path, which dots
+// kernel and which vector widths serve a problem on CUDA, and whether the
+// fused operator falls back to its ATen composite. A pure function of the
+// problem, the device's limits and the caller's wishes; the CUDA launchers
+// (cuda/msda_cuda.cpp, cuda/backward/) take its plan and test nothing else,
+// and ms_deform_attn::_select_backward_path shows it. docs/backward.md
+// explains each path and why it wins where it is chosen.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "params.h"
+
+namespace msda {
+
+// What the caller asked for: a grad_value path (the environment's
+// MS_DEFORM_ATTN_GRAD_VALUE, read in overrides.cpp, or the query's argument).
+// atomic: atomics unless the call is deterministic; sorted: the global sort
+// even where the block-local path applies; local: a reproducible path, the
+// block-local one where it applies.
+enum class GradValueRequest : int { automatic, atomic, sorted, local };
+GradValueRequest parse_grad_value_request(const std::string& name);  // throws on unknown names
+
+struct BackwardProblem {
+  Problem pb;
+  bool fused = false;      // ms_deform_attn_fused's backward
+  int value_align = 16;    // bytes value's and grad_output's data pointers are aligned to
+  int grad_out_align = 16; // (the largest power of two dividing the address, at most 32)
+};
+
+// The limits of the device the backward runs on that the plan depends on.
+struct BackwardDevice {
+  int sms = 132;
+  // Whether a block may opt in to the block-local kernel's shared memory
+  // (the kernel for Lq P <= kLocalCapSmall, and the larger one).
+  bool local_small_fits = true;
+  bool local_fits = true;
+};
+
+struct BackwardWishes {
+  bool deterministic = false;
+  GradValueRequest request = GradValueRequest::automatic;
+};
+
+// The plan for p on device d given the caller's wishes w.
+BackwardPlan plan_backward(const BackwardProblem& p, const BackwardDevice& d, const BackwardWishes& w);
+
+// The conditions the planner tests, for the launchers' own checks.
+// Tensor-core dots: D a multiple of 32, at most 32 sample slots a row (each
+// level's points padded to 4), value rows numbered in 32 bits, rows below
+// 2^31, value and grad_output 16-byte aligned (16-bit values are the
+// caller's to ensure).
+bool dots_mma_ok(const BackwardProblem& p);
+// The block-local grad_value: Lq P <= kLocalCap, 16-bit or fp32 values with
+// D a multiple of 16 bytes, 16-byte aligned grad_output, its 32-bit index
+// ranges, and the kernel's shared memory on the device.
+bool local_value_grad_ok(const BackwardProblem& p, const BackwardDevice& d);
+// "grad_value=local dots=mma vec=8 gather=none gather_vec=1 composite=0".
+std::string to_string(const BackwardPlan& plan);
+
+}  // namespace msda

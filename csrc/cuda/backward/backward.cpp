@@ -1,0 +1,135 @@
+// The CUDA backward's host side (backward.h): the plan for a call, then the
+// scratch buffers and launches of its grad_value path.
+#include "backward.h"
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <algorithm>
+
+#include "../../output.h"
+#include "../../overrides.h"
+#include "../launch.h"
+
+namespace msda::cuda {
+namespace {
+
+// Bits needed to write every value in [0, x].
+int bits_for(int64_t x) {
+  int bits = 0;
+  while (bits < 63 && (int64_t(1) << bits) <= x) ++bits;
+  return bits;
+}
+
+// The largest power of two dividing the address, at most 32 (the widest
+// vector the kernels read).
+int alignment(const void* ptr) {
+  const auto a = reinterpret_cast<uintptr_t>(ptr);
+  int align = 1;
+  while (align < 32 && a % (2 * align) == 0) align *= 2;
+  return align;
+}
+
+at::Tensor atomic_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+  const auto vt = in.value.scalar_type();
+  auto acc = value_shaped(in.pb, in.value.options().dtype(vt == at::kDouble ? at::kDouble : at::kFloat),
+                          /*zeroed=*/true);
+  if (in.pb.N * in.pb.Lq * in.pb.M > 0) {
+    p.grad_value_acc = acc.data_ptr();
+    C10_CUDA_CHECK(ffma_dots(p, stream));
+  }
+  return acc.to(vt);
+}
+
+cudaError_t dots(const BackwardParams& p, cudaStream_t stream) {
+  return p.plan.dots == DotsKernel::ffma ? ffma_dots(p, stream) : mma_dots(p, stream);
+}
+
+// Block-local: the dots kernel writes each sample's record (20 bytes)
+// instead of a key; the other scratch is the blocks' work counter.
+at::Tensor local_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+  at::Tensor records = at::empty({local_value_grad_scratch_bytes(p)}, in.value.options().dtype(at::kByte));
+  local_value_grad_records(p, records.data_ptr());
+  C10_CUDA_CHECK(dots(p, stream));
+  at::Tensor grad_value = value_shaped(in.pb, in.value.options(), /*zeroed=*/false);
+  at::Tensor counter = at::zeros({1}, in.value.options().dtype(at::kInt));
+  C10_CUDA_CHECK(local_value_grad(p, grad_value.data_ptr(),
+                                  reinterpret_cast<unsigned*>(counter.data_ptr<int>()), stream));
+  return grad_value;
+}
+
+// Global sort and gather. Scratch: per sample 4 keys / ids (4 bytes each, 8
+// when wide; the sort's double buffers, its temp is small) and 4 weights
+// (16 bytes; 32 for fp64); 8 bytes per cell.
+at::Tensor sorted_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+  const auto& pb = in.pb;
+  SortedBuffers b;
+  b.items = sample_count(pb);
+  b.cells = pb.N * pb.M * p.cell_stride;
+  b.end_bit = bits_for(b.cells);
+  b.wide = b.cells >= int64_t(UINT32_MAX) || b.items >= int64_t(UINT32_MAX);
+  const auto idx = in.value.options().dtype(b.wide ? at::kLong : at::kInt);
+  at::Tensor keys = at::empty({b.items}, idx), ids = at::empty({b.items}, idx);
+  at::Tensor sorted_keys = at::empty({b.items}, idx), sorted_ids = at::empty({b.items}, idx);
+  p.cell_keys = keys.data_ptr();
+  p.sample_ids = ids.data_ptr();
+  p.wide_keys = b.wide;
+  C10_CUDA_CHECK(dots(p, stream));
+
+  b.keys = keys.data_ptr();
+  b.ids = ids.data_ptr();
+  b.sorted_keys = sorted_keys.data_ptr();
+  b.sorted_ids = sorted_ids.data_ptr();
+  C10_CUDA_CHECK(sorted_temp_bytes(b, b.temp_bytes));
+  at::Tensor temp = at::empty({int64_t(std::max<size_t>(b.temp_bytes, 1))},
+                              in.value.options().dtype(at::kByte));
+  b.temp = temp.data_ptr();
+  at::Tensor starts = at::empty({b.cells + 1}, in.value.options().dtype(at::kLong));
+  b.cell_starts = starts.data_ptr();
+  const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor weights = at::empty({4 * b.items}, in.value.options().dtype(acc_type));
+  b.weights = weights.data_ptr();
+  at::Tensor grad_value = value_shaped(in.pb, in.value.options(), /*zeroed=*/false);
+  b.grad_value = grad_value.data_ptr();
+  b.vec = p.plan.gather_vec;
+  C10_CUDA_CHECK(sorted_value_grad(p, b, stream));
+  return grad_value;
+}
+
+}  // namespace
+
+BackwardDevice backward_device() {
+  const cudaDeviceProp& pr = *at::cuda::getCurrentDeviceProperties();
+  BackwardDevice d;
+  d.sms = pr.multiProcessorCount;
+  d.local_small_fits = local_value_grad_fits(int(pr.sharedMemPerBlockOptin), /*small=*/true);
+  d.local_fits = local_value_grad_fits(int(pr.sharedMemPerBlockOptin), /*small=*/false);
+  return d;
+}
+
+BackwardPlan plan_for(const BackwardParams& p, bool fused, bool deterministic) {
+  BackwardProblem bp;
+  bp.pb = p.pb;
+  bp.fused = fused;
+  bp.value_align = alignment(p.value);
+  bp.grad_out_align = alignment(p.grad_out);
+  BackwardWishes w;
+  w.deterministic = deterministic;
+  w.request = grad_value_override();
+  return plan_backward(bp, backward_device(), w);
+}
+
+at::Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream) {
+  p.vec = p.plan.vec;
+  switch (p.plan.grad_value) {
+    case GradValuePath::atomic: return atomic_grad_value(p, in, stream);
+    default: break;
+  }
+  p.cell_stride = 2 * in.pb.S + 2 * in.pb.L;
+  if (sample_count(in.pb) == 0) return value_shaped(in.pb, in.value.options(), /*zeroed=*/true);
+  return p.plan.grad_value == GradValuePath::local ? local_grad_value(p, in, stream)
+                                                   : sorted_grad_value(p, in, stream);
+}
+
+}  // namespace msda::cuda

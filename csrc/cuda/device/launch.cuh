@@ -1,0 +1,86 @@
+// Launch helpers of the CUDA launchers: the dtype dispatch onto kernel
+// templates, the device's limits (asked of the driver once), division by a
+// launch-time constant, and grids of kThreads-thread blocks.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+
+#include "../../dispatch.h"
+#include "../launch_shapes.h"
+#include "common.cuh"
+
+namespace msda::cuda {
+
+// ---- dtype dispatch --------------------------------------------------------
+// Runs Launch<T, LT, VEC>::run(p, stream) for the problem's dtype pair, with
+// VEC = kVecBytes bytes (of T, or of the accumulator type when kVecOfAcc)
+// when the binding allowed vector access (p.vec), else 1. The kernels are
+// instantiated for exactly these two widths.
+template <template <typename, typename, int> class Launch, bool kVecOfAcc = false,
+          int kVecBytes = 16, typename Params>
+cudaError_t launch_for_dtypes(const Params& p, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  dispatch_dtypes<__half, __nv_bfloat16>(p.pb, [&](auto t, auto lt) {
+    using T = typename decltype(t)::type;
+    using LT = typename decltype(lt)::type;
+    constexpr int kVec =
+        kVecBytes / static_cast<int>(kVecOfAcc ? sizeof(acc_t<T>) : sizeof(T));
+    err = p.vec == kVec ? Launch<T, LT, kVec>::run(p, stream) : Launch<T, LT, 1>::run(p, stream);
+  });
+  return err;
+}
+
+// Device figures the caching backends size their launches from.
+struct DeviceLimits {
+  int sms = 0;
+  int smem_optin = 0;  // shared memory a block may opt in to
+};
+
+inline cudaError_t query_device_limits(int dev, DeviceLimits& d) {
+  cudaError_t err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return err;
+}
+
+// The current device's figures, asked of the driver once per device (they
+// do not change while the process runs) instead of on every launch.
+inline cudaError_t device_limits(DeviceLimits& d) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  constexpr int kMaxDevices = 64;
+  if (dev < 0 || dev >= kMaxDevices) return query_device_limits(dev, d);
+  static std::once_flag once[kMaxDevices];
+  static DeviceLimits cached[kMaxDevices];
+  static cudaError_t status[kMaxDevices];
+  std::call_once(once[dev], [dev] { status[dev] = query_device_limits(dev, cached[dev]); });
+  d = cached[dev];
+  return status[dev];
+}
+
+// Division of a 31-bit numerator by a divisor fixed at launch: a multiply-
+// high, an add and a shift instead of the division routine (Granlund and
+// Montgomery's method; the numerator below 2^31 keeps the add in 32 bits).
+struct FastDiv {
+  uint32_t mul = 1, shift = 0;
+  FastDiv() = default;
+  __host__ __device__ explicit FastDiv(uint32_t d) {  // d >= 1
+    while ((uint64_t(1) << shift) < d) ++shift;
+    mul = static_cast<uint32_t>((uint64_t(1) << 32) * ((uint64_t(1) << shift) - d) / d + 1);
+  }
+  __device__ __forceinline__ uint32_t operator()(uint32_t n) const {
+    return (__umulhi(n, mul) + n) >> shift;
+  }
+};
+
+inline unsigned grid_for(int64_t threads) {
+  return static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+}
+
+}  // namespace msda::cuda

@@ -1,0 +1,45 @@
+// The environment overrides (overrides.h).
+#include "overrides.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+
+namespace msda {
+namespace {
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string() : std::string(v);
+}
+
+}  // namespace
+
+std::string backend_override() {
+  const std::string v = env("MS_DEFORM_ATTN_BACKEND");
+  return v == "auto" ? std::string() : v;
+}
+
+GradValueRequest grad_value_override() {
+  const std::string v = env("MS_DEFORM_ATTN_GRAD_VALUE");
+  try {
+    return parse_grad_value_request(v);
+  } catch (const c10::Error&) {
+    TORCH_CHECK(false, "ms_deform_attn: MS_DEFORM_ATTN_GRAD_VALUE must be 'auto', 'atomic', "
+                "'sorted' or 'local', got '", v, "'");
+  }
+}
+
+int64_t smem_budget_override() {
+  const std::string v = env("MS_DEFORM_ATTN_SMEM_BUDGET");
+  return v.empty() ? -1 : std::atoll(v.c_str());
+}
+
+bool poison_outputs() {
+  static const bool poison = env("MS_DEFORM_ATTN_POISON") == "1";
+  return poison;
+}
+
+bool check_shapes_on_host() { return env("MS_DEFORM_ATTN_CHECK_SHAPES") == "1"; }
+
+}  // namespace msda

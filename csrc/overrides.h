@@ -1,0 +1,26 @@
+// The environment variables that override the library's own choices, for
+// tests and benchmarks. They are read here and nowhere else, on every call
+// (tests change them between calls); docs/development.md lists them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "backward_plan.h"
+
+namespace msda {
+
+// MS_DEFORM_ATTN_BACKEND: the forward backend "auto" resolves to ("" unset or "auto").
+std::string backend_override();
+// MS_DEFORM_ATTN_GRAD_VALUE: auto, atomic, sorted or local (backward_plan.h).
+GradValueRequest grad_value_override();
+// MS_DEFORM_ATTN_SMEM_BUDGET: shared-memory bytes the caching forward backends may use (-1: theirs).
+int64_t smem_budget_override();
+// MS_DEFORM_ATTN_POISON=1: outputs are filled with NaN before the kernels
+// write them, so that an element left unwritten fails a comparison (read once).
+bool poison_outputs();
+// MS_DEFORM_ATTN_CHECK_SHAPES=1: CUDA level shapes are read back and checked
+// on the host (a synchronisation) instead of only in the kernels.
+bool check_shapes_on_host();
+
+}  // namespace msda

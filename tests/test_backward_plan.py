@@ -1,0 +1,113 @@
+"""The backward's policy as a table: problems and the plan the planner
+(csrc/backward_plan.cpp, through ms_deform_attn.select_backward_path) makes
+for them on a 132-SM device on which every kernel fits. Runs on the CPU: the
+planner is a pure function of the problem's sizes, dtypes and alignments.
+docs/backward.md explains each row's reason."""
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from ms_deform_attn import testing as W
+
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
+
+
+def problem(workload, dtype, d=None, loc_dtype=torch.float32, misaligned=False):
+    """Uninitialised CPU inputs of a canonical workload's sizes (the planner
+    reads sizes, dtypes and the value's alignment only)."""
+    wl = W.get(workload)
+    d = d or wl.d
+    shapes, start = W.level_tensors(wl.levels, "cpu")
+    n, s, lq, m, levels = wl.n, wl.s, wl.queries, wl.m, len(wl.levels)
+    if misaligned:  # value's data one element past an aligned address
+        value = torch.empty(n * s * m * d + 1, dtype=DT[dtype])[1:].view(n, s, m, d)
+    else:
+        value = torch.empty(n, s, m, d, dtype=DT[dtype])
+    loc = torch.empty(n, lq, m, levels, wl.p, 2, dtype=loc_dtype)
+    attn = torch.empty(n, lq, m, levels, wl.p, dtype=loc_dtype)
+    return value, shapes, start, loc, attn
+
+
+def plan(grad_value, dots, vec, gather="none", gather_vec=1, composite=False):
+    return dict(grad_value=grad_value, dots=dots, vec=vec, gather=gather, gather_vec=gather_vec,
+                composite=composite)
+
+
+COMPOSITE = plan("atomic", "ffma", 1, composite=True)
+
+# (id, problem arguments, planner wishes, expected plan)
+TABLE = [
+    # Dense bf16 (the encoders): the sorted path on tensor cores is the faster one.
+    ("ddetr_enc-bf16", ("ddetr_enc", "bf16"), {}, plan("sorted", "mma", 8, "tiles", 8)),
+    # L = 3 (L Pp = 12 does not divide a warp): the flat slot sequence, enough tasks.
+    ("m2f_enc-bf16", ("m2f_enc", "bf16"), {}, plan("sorted", "mma_flat", 8, "tiles", 8)),
+    ("m2f_enc-bf16-fused", ("m2f_enc", "bf16"), {"fused": True}, plan("sorted", "mma_rows", 8, "tiles", 8)),
+    ("ddetr_enc-bf16-fused", ("ddetr_enc", "bf16"), {"fused": True}, plan("sorted", "mma", 8, "tiles", 8)),
+    # fp16 and fp32 encoders: atomics (16 bytes of the fp32 accumulator a lane).
+    ("ddetr_enc-fp16", ("ddetr_enc", "fp16"), {}, plan("atomic", "ffma", 4)),
+    ("ddetr_enc-fp32", ("ddetr_enc", "fp32"), {}, plan("atomic", "ffma", 4)),
+    ("ddetr_enc-fp64", ("ddetr_enc", "fp64"), {}, plan("atomic", "ffma", 2)),
+    # Deterministic: the global sort where the block-local path cannot hold a
+    # level's samples; 32 bytes of the accumulator a lane.
+    ("ddetr_enc-fp32-det", ("ddetr_enc", "fp32"), {"deterministic": True},
+     plan("sorted", "ffma", 8, "pixels", 4)),
+    ("ddetr_enc-fp16-det", ("ddetr_enc", "fp16"), {"deterministic": True},
+     plan("sorted", "mma", 8, "pixels", 8)),
+    ("ddetr_enc-fp64-det", ("ddetr_enc", "fp64"), {"deterministic": True},
+     plan("sorted", "ffma", 4, "pixels", 2)),
+    # 16-bit decoders: the block-local grad_value (no sort) is the faster one.
+    ("ddetr_dec-bf16", ("ddetr_dec", "bf16"), {}, plan("local", "mma", 8)),
+    ("ddetr_dec-fp16", ("ddetr_dec", "fp16"), {}, plan("local", "mma", 8)),
+    ("rtdetr_dec-bf16", ("rtdetr_dec", "bf16"), {}, plan("local", "mma", 8)),
+    ("rtdetr_dec-bf16-fused", ("rtdetr_dec", "bf16"), {"fused": True}, plan("local", "mma_rows", 8)),
+    # fp32 decoders: atomics, unless asked to be deterministic (block-local, FFMA dots).
+    ("ddetr_dec-fp32", ("ddetr_dec", "fp32"), {}, plan("atomic", "ffma", 4)),
+    ("ddetr_dec-fp32-det", ("ddetr_dec", "fp32"), {"deterministic": True}, plan("local", "ffma", 8)),
+    ("ddetr_dec-fp32-fused-det", ("ddetr_dec", "fp32"), {"fused": True, "deterministic": True},
+     plan("local", "ffma", 8)),
+    # 16-bit locations (the fused layers' offsets under autocast) plan alike.
+    ("ddetr_dec-bf16-bf16loc", ("ddetr_dec", "bf16", None, torch.bfloat16), {}, plan("local", "mma", 8)),
+    # The caller's request (MS_DEFORM_ATTN_GRAD_VALUE): sorted skips the
+    # block-local path; atomic yields to deterministic=True; local where it applies.
+    ("ddetr_dec-bf16-ask-sorted", ("ddetr_dec", "bf16"), {"grad_value": "sorted"},
+     plan("sorted", "mma", 8, "tiles", 8)),
+    ("ddetr_dec-bf16-ask-atomic", ("ddetr_dec", "bf16"), {"grad_value": "atomic"}, plan("atomic", "ffma", 4)),
+    ("ddetr_dec-bf16-ask-atomic-det", ("ddetr_dec", "bf16"), {"grad_value": "atomic", "deterministic": True},
+     plan("local", "mma", 8)),
+    ("ddetr_enc-fp32-ask-local", ("ddetr_enc", "fp32"), {"grad_value": "local"},
+     plan("sorted", "ffma", 8, "pixels", 4)),
+    # A value not 16-byte aligned: no tensor cores, no vectors.
+    ("ddetr_enc-bf16-misaligned", ("ddetr_enc", "bf16", None, torch.float32, True), {},
+     plan("atomic", "ffma", 1)),
+    # D not a multiple of 32: FFMA dots even where the sorted path serves.
+    ("ddetr_enc-bf16-D16-det", ("ddetr_enc", "bf16", 16), {"deterministic": True},
+     plan("sorted", "ffma", 8, "pixels", 8)),
+    # The fused operator's composite: fp64 values, or rows the FFMA kernel
+    # cannot take in one vectorised pass (D > 32 vectors, or no vectors).
+    ("ddetr_dec-fp64-fused", ("ddetr_dec", "fp64"), {"fused": True}, COMPOSITE),
+    ("ddetr_dec-fp32-D256-fused", ("ddetr_dec", "fp32", 256), {"fused": True}, COMPOSITE),
+    ("ddetr_dec-fp32-D6-fused", ("ddetr_dec", "fp32", 6), {"fused": True}, COMPOSITE),
+]
+
+
+@pytest.mark.parametrize("args,wishes,expected", [t[1:] for t in TABLE], ids=[t[0] for t in TABLE])
+def test_plan(args, wishes, expected):
+    assert msda.select_backward_path(*problem(*args), sms=132, **wishes) == expected
+
+
+def test_plan_depends_on_the_device():
+    """The flat slot sequence pays only with enough tasks a resident warp."""
+    inputs = problem("m2f_enc", "bf16")
+    assert msda.select_backward_path(*inputs, sms=132)["dots"] == "mma_flat"
+    assert msda.select_backward_path(*inputs, sms=1000)["dots"] == "mma"
+
+
+def test_plan_rejects_unknown_requests():
+    with pytest.raises(RuntimeError, match="unknown grad_value path 'fast'"):
+        msda.select_backward_path(*problem("ddetr_dec", "bf16"), grad_value="fast")
+
+
+def test_plan_validates_inputs():
+    value, shapes, start, loc, attn = problem("ddetr_dec", "bf16")
+    with pytest.raises(RuntimeError, match="sampling_locations"):
+        msda.select_backward_path(value, shapes, start, loc[..., :1], attn)
