@@ -745,7 +745,7 @@ def test_layer_linears_use_the_op(monkeypatch):
     grads = []
     for plain in (False, True):
         if plain:
-            monkeypatch.setattr(msnn, "linear", lambda module, t: module(t))
+            monkeypatch.setattr(msnn, "_linear", lambda module, t: module(t))
         layer.zero_grad(set_to_none=True)
         layer(query, ref, flat, shapes, start, pad).square().sum().backward()
         grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
