@@ -3,7 +3,8 @@
     python -m benchmarks.report benchmarks/results/bench.json > BENCHMARKS.md
 
 Every figure of ours comes from the JSON (one run); the peers' figures are
-quoted from ../shared/WORKLOADS.md (NVIDIA H200, torch 2.11 + CUDA 13.0).
+quoted from docs/workloads.md, measured on the same kind of device
+(picked by the run's device name: H100 or H200).
 """
 from __future__ import annotations
 
@@ -11,11 +12,10 @@ import json
 import sys
 from typing import Dict, List
 
-# Quoted from ../shared/WORKLOADS.md, "Peer figures": microseconds on an H200.
-# original = the Deformable DETR CUDA op (fp32 only); flash = DCNv4's
-# FlashDeformAttn in fp16 (16-bit locations), its error against fp64.
-PEERS = {
-    #            grid_sample fwd, original fwd, original bwd, flash fwd, flash bwd, flash err
+# Quoted from docs/workloads.md, microseconds, forward / backward.
+# H200 (2026-11-22): grid_sample fwd, original fp32 fwd, bwd, DCNv4 flash
+# fp16 fwd, bwd, its error against fp64.
+PEERS_H200 = {
     "seed": (24199, 2861, 7995, 673, 15907, 5.9e-2),
     "ddetr_enc": (3730, 761, 1961, 167, 2904, 2.1e-2),
     "ddetr_dec": (237, 28, 68, 30, 94, 2.4e-2),
@@ -24,6 +24,19 @@ PEERS = {
     "dino5_enc": (12021, 1846, 4907, 426, 7787, 3.6e-2),
     "bevformer_tsa": (1557, 546, 1032, 111, 1068, 4.9e-2),
     "m2f_enc": (1645, 302, 747, 74, 1021, 2.1e-2),
+}
+# H100 (2026-11-28, the operator at 2246dfc beside them): original fp32 fwd,
+# bwd; flash fp16 fwd, bwd, error; triton (roulbac/msda-triton) fp32 fwd,
+# bwd; triton bf16 fwd, bwd, error (its 16-bit locations). None: not measured.
+PEERS_H100 = {
+    "seed": (2899, 8057, 712, 15980, 6e-2, 1021, 5592, None, None, None),
+    "ddetr_enc": (767, 1976, 175, 2952, 2e-2, 197, 1210, 214, 892, 0.16),
+    "ddetr_dec": (24, 69, 25, 99, 2e-2, 13.7, 44, 8.3, 30, 0.19),
+    "dino_dec": (75, 213, 38, 358, 1e-1, 35.3, 158, 29.7, 105, 0.18),
+    "rtdetr_dec": (87, 238, 36, 388, 2e-1, 43.6, 183, 33.3, 115, 0.12),
+    "dino5_enc": (1865, 4935, 448, 7806, 4e-2, None, None, None, None, None),
+    "bevformer_tsa": (554, 1035, 110, 1091, 5e-2, None, None, None, None, None),
+    "m2f_enc": (305, 749, 70, 1030, 2e-2, 77, 433, None, None, None),
 }
 
 
@@ -38,41 +51,74 @@ def _fmt(x, spec=".0f"):
     return "" if x is None else format(x, spec)
 
 
+def _us(x) -> str:
+    return "" if x is None else (f"{x:.1f}" if x < 100 else f"{x:.0f}")
+
+
 def comparison(result: Dict, backend: str) -> List[str]:
+    """Our figures beside the peers' on the same kind of device."""
     rows = result["rows"]
+
+    def ours(wl, dtype, pas, key="time_us"):
+        r = _row(rows, wl, dtype, backend, pas)
+        return r and r.get(key)
+
+    def err(wl, dtype):
+        r = _row(rows, wl, dtype, backend, "fwd")
+        return "" if r is None else f"{r['rel_err']:.1e}"
+
+    if "H100" in str(result["env"].get("device_name")):
+        out = [
+            "| workload | ours fp32 fwd / bwd | triton fp32 | original fp32 | ours bf16 fwd / bwd "
+            "(error) | triton bf16 (error) | ours fp16 fwd / bwd (error) | flash fp16 (error) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for wl, (of, ob, ff, fb, fe, tf, tb, t16f, t16b, t16e) in PEERS_H100.items():
+            if _row(rows, wl, "fp32", backend, "fwd") is None and _row(rows, wl, "bf16", backend, "fwd") is None:
+                continue
+            tri16 = f"{_us(t16f)} / {_us(t16b)} ({t16e})" if t16f is not None else "-"
+            tri32 = f"{_us(tf)} / {_us(tb)}" if tf is not None else "-"
+            out.append(
+                f"| {wl} | {_us(ours(wl, 'fp32', 'fwd'))} / {_us(ours(wl, 'fp32', 'fwdbwd', 'bwd_us'))} | "
+                f"{tri32} | {_us(of)} / {_us(ob)} | "
+                f"{_us(ours(wl, 'bf16', 'fwd'))} / {_us(ours(wl, 'bf16', 'fwdbwd', 'bwd_us'))} ({err(wl, 'bf16')}) | "
+                f"{tri16} | "
+                f"{_us(ours(wl, 'fp16', 'fwd'))} / {_us(ours(wl, 'fp16', 'fwdbwd', 'bwd_us'))} ({err(wl, 'fp16')}) | "
+                f"{_us(ff)} / {_us(fb)} ({fe:.0e}) |")
+        return out
     out = [
         "| workload | ours fp32 fwd | original fwd | ours fp32 bwd | original bwd | "
         "ours bf16 fwd | ours bf16 bwd | ours bf16 error | flash fp16 fwd | flash fp16 bwd | "
         "flash fp16 error |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for wl, (gs, of, ob, ff, fb, fe) in PEERS.items():
-        f32 = _row(rows, wl, "fp32", backend, "fwd")
-        f32b = _row(rows, wl, "fp32", backend, "fwdbwd")
-        b16 = _row(rows, wl, "bf16", backend, "fwd")
-        b16b = _row(rows, wl, "bf16", backend, "fwdbwd")
-        if f32 is None and b16 is None:
+    for wl, (gs, of, ob, ff, fb, fe) in PEERS_H200.items():
+        if _row(rows, wl, "fp32", backend, "fwd") is None and _row(rows, wl, "bf16", backend, "fwd") is None:
             continue
         out.append(
-            f"| {wl} | {_fmt(f32 and f32['time_us'])} | {of} | "
-            f"{_fmt(f32b and f32b.get('bwd_us'))} | {ob} | {_fmt(b16 and b16['time_us'])} | "
-            f"{_fmt(b16b and b16b.get('bwd_us'))} | {_fmt(b16 and b16['rel_err'], '.1e')} | "
-            f"{ff} | {fb} | {fe:.1e} |")
+            f"| {wl} | {_us(ours(wl, 'fp32', 'fwd'))} | {of} | {_us(ours(wl, 'fp32', 'fwdbwd', 'bwd_us'))} | "
+            f"{ob} | {_us(ours(wl, 'bf16', 'fwd'))} | {_us(ours(wl, 'bf16', 'fwdbwd', 'bwd_us'))} | "
+            f"{err(wl, 'bf16')} | {ff} | {fb} | {fe:.1e} |")
     return out
 
 
 def full_table(result: Dict) -> List[str]:
+    torch_timer = any("torch_us" in r for r in result["rows"])
+    extra_h = " torch.utils.benchmark (us, IQR) |" if torch_timer else ""
     out = [
         "| workload | dtype | pass | impl | time (us) | bwd (us) | GB/s | x floor | floor (us) "
-        "| rel. error (out; or grad value / loc / weights) |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
+        "| rel. error (out; or grad value / loc / weights) |" + extra_h,
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|" + ("---|" if torch_timer else ""),
     ]
     for r in result["rows"]:
         err = " / ".join(f"{e:.1e}" for e in r.get("rel_err_by_input", [r["rel_err"]]))
+        extra = ""
+        if torch_timer:
+            extra = f" {r['torch_us']:.1f} ({r['torch_iqr_us']:.1f}) |" if "torch_us" in r else " |"
         out.append(
             f"| {r['workload']} | {r['dtype']} | {r['pass_']} | {r['impl']} | {r['time_us']:.1f} | "
             f"{_fmt(r.get('bwd_us'), '.1f')} | {r['GBps']:.0f} | {r['x_floor']:.1f} | "
-            f"{r['floor_us']:.1f} | {err} |")
+            f"{r['floor_us']:.1f} | {err} |{extra}")
     return out
 
 
@@ -109,11 +155,13 @@ def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
     env = result["env"]
     ours = sorted({r["impl"] for r in result["rows"]} - {"reference", "mmcv", "original"})
     main_backend = "baseline" if "baseline" in ours else (ours[0] if ours else "cpu")
+    timer = env.get("timer", "graph")
     lines = [
         "# Benchmarks",
         "",
-        "Generated by `python -m benchmarks.report` from one run of `python -m benchmarks.run "
-        "--full` (every workload of ../shared/WORKLOADS.md, every backend side by side).",
+        "Generated by `python -m benchmarks.report benchmarks/results/bench.json` from one run of "
+        "`python -m benchmarks.run --full` (every workload of [docs/workloads.md](docs/workloads.md), "
+        "every backend side by side). Nothing here is written by hand.",
         "",
         f"- device: **{env.get('device_name')}** ({env.get('sm_count', '?')} SMs), "
         f"torch {env['torch']}, CUDA {env['cuda']}",
@@ -121,18 +169,21 @@ def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
         f"- device-to-device copy rate measured in the same run: "
         f"{env['copy_bandwidth_GBps']:.0f} GB/s (floors below use it)",
         "- times: medians; our backends timed as CUDA-graph replays (GPU time, no launch gaps), "
-        "the reference between CUDA events; inputs rotated so that they do not sit in L2",
+        "the reference between CUDA events; inputs rotated so that they do not sit in L2"
+        + ("" if timer == "graph" else "; the torch.utils.benchmark column: "
+           "Timer.blocked_autorange of eager calls (launch overhead included), median and IQR"),
         "- bf16 / fp16 rows: 16-bit value and output, fp32 locations and weights (the autocast "
         "case); errors are ||out - ref|| / ||ref|| against float64 on the same inputs",
-        "- `bwd` = (forward + backward) - forward of the same implementation",
+        "- `bwd` = (forward + backward) - forward of the same implementation; `deterministic` is "
+        "`auto` with `deterministic=True`",
         "",
         f"![time per backend per workload]({chart})",
         "",
         f"## Against the peers (`{main_backend}` backend)",
         "",
-        "Peer figures quoted from ../shared/WORKLOADS.md (NVIDIA H200, torch 2.11 + CUDA 13.0, "
-        "measured side by side there; not re-run here: neither peer is installed on the GPU "
-        "machine). Times in microseconds.",
+        "Peer figures quoted from [docs/workloads.md](docs/workloads.md), measured on the same kind "
+        "of device in one process there (not re-run here: no peer is installed on the GPU "
+        "machine). Times in microseconds, forward / backward; errors against float64.",
         "",
     ]
     lines += comparison(result, main_backend)
@@ -142,7 +193,7 @@ def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
         "",
         "## Auto-selection (forward, every backend side by side)",
         "",
-        "`backend=\"auto\"` walks the preference table in `csrc/cuda/msda_cuda.cpp`; "
+        "`backend=\"auto\"` walks the preference table in `csrc/cuda/forward/backends.cpp`; "
         "this checks its choice against the fastest backend of the same run.",
         "",
     ]

@@ -31,7 +31,7 @@ struct Checked {
 //     given (each H, W > 0, H * W < 2^31, level_start_index the exclusive
 //     cumulative sum, the sum of H * W equal to S; the same checks and
 //     messages for both sources). Shapes that live only on the device are
-//     checked by the kernels instead (cuda/common.cuh, load_levels: NaN
+//     checked by the kernels instead (cuda/device/common.cuh, load_levels: NaN
 //     results), or here at the cost of a sync with MS_DEFORM_ATTN_CHECK_SHAPES=1.
 // Allocates and copies nothing.
 Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,

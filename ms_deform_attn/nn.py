@@ -27,7 +27,7 @@ def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     hooks, not a subclass) on CUDA runs as ms_deform_attn::_linear: torch's
     linear forward and backward, but the bias gradient is one read of the
     output gradient at the copy rate (torch's sum over its rows runs far
-    below it: benchmarks/NOTES.md). Anything else, and traced, compiled or
+    below it: docs/performance.md). Anything else, and traced, compiled or
     exported code (where the compiler makes its own reduction), calls the
     module."""
     if (type(module) is nn.Linear and x.is_cuda and not module._forward_hooks

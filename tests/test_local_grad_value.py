@@ -1,4 +1,4 @@
-"""The sorted backward's block-local grad_value (csrc/cuda/backward_local.cu):
+"""The sorted backward's block-local grad_value (csrc/cuda/backward/local_grad_value.cu):
 the decoders' path, where the Lq P samples of one (n, m, level) fit one
 block's sort (at most 8192; up to 4096 the kernel holds 8 a thread, above
 16). A block owns a 32 x 64-pixel tile; these cases
@@ -107,10 +107,9 @@ def test_local_grad_value_16_bit_locations(monkeypatch, dtype):
                          device="cuda", seed=6)
     inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
     grad = torch.randn(2, 300, 8 * 32, dtype=dtype, device="cuda")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        local_checked(monkeypatch, inputs, grad, dtype)
-        torch.cuda.synchronize()
-    assert any("value_grad_local" in e.key for e in prof.key_averages())
+    plan = msda.select_backward_path(*[t.detach() for t in inputs], deterministic=True)
+    assert plan["grad_value"] == "local", plan
+    local_checked(monkeypatch, inputs, grad, dtype)
 
 
 def test_local_is_the_16_bit_decoders_default(monkeypatch):
@@ -160,12 +159,11 @@ def test_local_grad_value_fused(monkeypatch, boxes, dtype, off_dtype):
                                         spatial_shapes_list=shapes)
         return torch.autograd.grad(out, (value, off, logits), grad)
 
+    plan = msda.select_backward_path(value.detach(), levels, start, off.detach(), logits.detach().view(
+        n, lq, m, len(shapes), p), fused=True, deterministic=True)
+    assert plan["grad_value"] == "local", plan
     local, sorted_ = fused_grads("local"), fused_grads("sorted")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        again = fused_grads("local")
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages()]
-    assert any("value_grad_local" in k for k in names), names
+    again = fused_grads("local")
     for a, b in zip(local, again):
         assert torch.equal(a, b)
     tol = 3e-3 if torch.bfloat16 in (dtype, off_dtype) else TOL[dtype]

@@ -2,7 +2,7 @@
 // gradient, its output gradient summed over every row (ms_deform_attn::
 // _column_sum, which the layers' linears, ms_deform_attn::_linear, call in
 // their backward). torch's reduction over the leading dimension of such a
-// tall, narrow matrix runs far below the copy rate (benchmarks/NOTES.md);
+// tall, narrow matrix runs far below the copy rate (docs/performance.md);
 // here each row is read once, 16 bytes a lane, and the sums are added in a
 // fixed order: bitwise the same on every run.
 #include "device/launch.cuh"

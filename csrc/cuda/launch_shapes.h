@@ -39,7 +39,7 @@ constexpr int64_t kCellStartsWideFromPerSm = 8 * int64_t(kMaxThreadsPerSm);
 // The sort takes 32-bit offsets from this many samples up.
 constexpr int64_t kSortOffsets32From = int64_t(1) << 22;
 
-// The block-local grad_value (backward_local.cu): 512 threads, 2 blocks an
+// The block-local grad_value (backward/local_grad_value.cu): 512 threads, 2 blocks an
 // SM (64 registers), at most kLocalCap samples an (n, m, level); problems of
 // at most kLocalCapSmall take the kernel with the smaller shared memory.
 constexpr int kLocalThreads = 512;

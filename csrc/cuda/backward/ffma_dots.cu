@@ -31,7 +31,7 @@ namespace {
 // !kShared (tasks of a few samples: the decoders): every lane resolves each
 // sample itself and the group sums the three gradients, which keeps the
 // samples of a lane independent of the other lanes' (measured faster there:
-// fewer registers, no resolve-then-gather chain; benchmarks/NOTES.md).
+// fewer registers, no resolve-then-gather chain; docs/performance.md).
 //
 // kFused (ms_deform_attn_fused, p.ref set; float accumulation, a task a
 // whole row): the group forms the row's softmax (row_softmax) and each

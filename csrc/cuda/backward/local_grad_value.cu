@@ -87,7 +87,7 @@ constexpr int bits_for_cells(int cells) {  // bits of every key in [0, cells]
   return b;
 }
 
-// A record per sample (common.cuh: local_cell_of, store_record_weights) at
+// A record per sample (grad_value_records.cuh: local_cell_of, store_record_weights) at
 // ((n M + m) L + l) Lq P + q P + p: the samples of a (n, m, level)
 // contiguous, in their order: the fused operator's where its FFMA kernel ran
 // (fp32 values, or 16-bit ones without the tensor-core dots), after it

@@ -178,7 +178,7 @@ constexpr int kBatch = 4;  // walk entries a slot loads at once
 // (4 Lq P over its H W pixels), so that crowded pixels (the small levels)
 // are walked by many slots and sparse ones (the large levels, decoders)
 // share a warp, and its per-pixel work (bounds, the slots' sum, the store),
-// with other pixels. kSpread was chosen by measurement (benchmarks/NOTES.md).
+// with other pixels. kSpread was chosen by measurement (docs/performance.md).
 constexpr int kSpread = 8;
 __device__ __forceinline__ int pixel_slots(const Problem& pb, const Level& lv, int slots) {
   const float entries = 4.f * float(pb.Lq) * float(pb.P) / (float(lv.H) * float(lv.W));
@@ -353,7 +353,7 @@ struct TileEntry {
 };
 
 // 80 registers, 3 blocks an SM (at 64 it spills). A G copied a round ahead
-// into a second buffer measured slower (benchmarks/NOTES.md).
+// into a second buffer measured slower (docs/performance.md).
 template <typename Id>
 __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
     value_grad_tiles(const BackwardParams p, const Id* __restrict__ rows,
@@ -597,8 +597,8 @@ cudaError_t sort_pairs(void* temp, size_t& temp_bytes, SortedBuffers& b, cudaStr
   cub::DoubleBuffer<K> keys(static_cast<K*>(b.keys), static_cast<K*>(b.sorted_keys));
   cub::DoubleBuffer<K> ids(static_cast<K*>(b.ids), static_cast<K*>(b.sorted_ids));
   // 32-bit offsets on the large sorts: cub then takes more items a thread
-  // (faster on ddetr_enc, slower on rtdetr_dec's 0.46 M; benchmarks/NOTES.md,
-  // tenth session). The size query goes through here too, so the temp
+  // (faster on ddetr_enc, slower on rtdetr_dec's 0.46 M; docs/performance.md).
+  // The size query goes through here too, so the temp
   // storage matches the call.
   const bool offsets32 = b.items >= kSortOffsets32From && b.items <= int64_t(INT32_MAX);
   const cudaError_t err =

@@ -253,7 +253,7 @@ __device__ __forceinline__ void row_softmax(const LT* logits, int count, const L
 // after the other, reading each point's corners from its slot (a broadcast)
 // and its values through fetch(pix, v). So the set-up runs once a sample
 // instead of once per lane, and the gather loop has no shuffles (whose
-// convergence checks cost more than they save; benchmarks/NOTES.md).
+// convergence checks cost more than they save; docs/performance.md).
 template <typename Points, typename A, int VEC, typename Resolve, typename Fetch>
 __device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, const Level& lv,
                                              const Points& pts, bool active, CornerSlots<A> slots,

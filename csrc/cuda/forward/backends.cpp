@@ -60,16 +60,16 @@ std::string tma_problem(const Problem& pb, const cudaDeviceProp&) {
 const CudaBackend kBackends[] = {
     // Needs host-side level shapes (spatial_shapes_list). Measured slower than
     // baseline on every canonical workload (more instructions a sample than
-    // the loads it saves; BENCHMARKS.md, benchmarks/NOTES.md): explicit
+    // the loads it saves; BENCHMARKS.md, docs/performance.md): explicit
     // requests only.
     // 16-byte aligned value: the copy engine's global address alignment.
     {"tma", needs_tma, tma_problem, never, no_workspace, &cuda::tma_forward, 16},
     // Correct, but bound by the bandwidth of distributed shared memory
     // (benchmarks/dsmem.py measures it), which serves most of every sample's
-    // corner reads; slower than baseline (BENCHMARKS.md, benchmarks/NOTES.md).
+    // corner reads; slower than baseline (BENCHMARKS.md, docs/performance.md).
     {"cluster", needs_clusters, runs_any_problem, never, no_workspace, &cuda::cluster_forward, 1},
     // Measured slower than baseline on every canonical workload so far
-    // (BENCHMARKS.md, benchmarks/NOTES.md: L1/TEX-bound either way, and its
+    // (BENCHMARKS.md, docs/performance.md: L1/TEX-bound either way, and its
     // shared-memory cache reads conflict): explicit requests only.
     {"persistent", runs_anywhere, runs_any_problem, never, &cuda::persistent_workspace_bytes,
      &cuda::persistent_forward, 1},

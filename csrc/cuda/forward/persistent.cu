@@ -24,7 +24,7 @@
 // query read one whole pixel row. Samples on cached levels read shared
 // memory, the others global memory with 16-byte vector loads. The budget is a
 // launch parameter (tests shrink it to cover the global fallback).
-// Measured (benchmarks/NOTES.md): the smaller the budget, the faster (a
+// Measured (docs/performance.md): the smaller the budget, the faster (a
 // cached row costs the L1/TEX pipe what an L1 hit does, and the carve-out
 // takes L1 from the other levels); even with none this backend is slower
 // than `baseline`, so `auto` never picks it.

@@ -28,7 +28,7 @@ namespace {
 constexpr int kTmaThreads = 512;
 // Both stages together by default: small enough for two blocks an SM (16 KB
 // of CornerSlots each besides); full-size boxes (one block an SM) measured
-// slower (benchmarks/NOTES.md).
+// slower (docs/performance.md).
 constexpr int64_t kDefaultStages = 64 * 1024;
 
 struct TmaParams {
