@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
   }
 }
 
-// What the launch needs (launch_for_dtypes reads pb and vec).
+// What the launch needs (launch_16_byte_vectors reads pb and vec).
 struct LocalParams {
   Problem pb;
   int vec;
@@ -362,13 +362,12 @@ struct LocalParams {
 template <typename T, typename LT, int VEC>
 struct LocalLaunch {
   static cudaError_t run(const LocalParams& g, cudaStream_t stream) {
-    // Instantiated only for what the planner's local_value_grad_ok admits: 16-bit or fp32
-    // values, 16-byte vectors, locations in fp32 or the values' dtype (the
-    // fused operator's offsets and logits under autocast; only
-    // local_footprints reads them).
-    if constexpr (std::is_same_v<T, double> || VEC * sizeof(T) != 16) {
-      return cudaErrorInvalidValue;
-    } else {
+    // Instantiated only for what the planner's local_value_grad_ok admits
+    // (launch_16_byte_vectors): 16-bit or fp32 values, 16-byte vectors,
+    // locations in fp32 or the values' dtype (the fused operator's offsets
+    // and logits under autocast; only local_footprints reads them).
+    static_assert(VEC * sizeof(T) == 16 && !std::is_same_v<T, double>, "launch_16_byte_vectors only");
+    {
       DeviceLimits d;
       if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
       uint32_t* cell = static_cast<uint32_t*>(g.bw.local_cell);
@@ -431,7 +430,7 @@ cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned
   if (p.pb.N * p.pb.S * p.pb.M * p.pb.D == 0) return cudaSuccess;
   if (p.local_cell == nullptr || p.local_wts == nullptr) return cudaErrorInvalidValue;
   const LocalParams g{p.pb, static_cast<int>(16 / dtype_bytes(p.pb.value_dtype)), p, grad_value, counter};
-  return launch_for_dtypes<LocalLaunch, /*kVecOfAcc=*/false, /*kVecBytes=*/16>(g, stream);
+  return launch_16_byte_vectors<LocalLaunch>(g, stream);
 }
 
 }  // namespace msda::cuda

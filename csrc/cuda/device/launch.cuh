@@ -35,6 +35,25 @@ cudaError_t launch_for_dtypes(const Params& p, cudaStream_t stream) {
   return err;
 }
 
+// Runs Launch<T, LT, 16 / sizeof(T)>::run(p, stream) for the problem's
+// dtype pair where p.vec is that width and T is not double: for the kernels
+// built only for 16-byte vectors (tma, the block-local grad_value), whose
+// predicates keep every other problem away. Anything else is refused here,
+// with nothing instantiated for it.
+template <template <typename, typename, int> class Launch, typename Params>
+cudaError_t launch_16_byte_vectors(const Params& p, cudaStream_t stream) {
+  cudaError_t err = cudaErrorInvalidValue;
+  dispatch_dtypes<__half, __nv_bfloat16>(p.pb, [&](auto t, auto lt) {
+    using T = typename decltype(t)::type;
+    using LT = typename decltype(lt)::type;
+    if constexpr (!std::is_same_v<T, double>) {
+      constexpr int kVec = 16 / static_cast<int>(sizeof(T));
+      if (p.vec == kVec) err = Launch<T, LT, kVec>::run(p, stream);
+    }
+  });
+  return err;
+}
+
 // Device figures the caching backends size their launches from.
 struct DeviceLimits {
   int sms = 0;

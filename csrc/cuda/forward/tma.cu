@@ -311,9 +311,8 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
-    if constexpr (VEC * sizeof(T) != 16 || sizeof(T) > 4) {
-      return cudaErrorInvalidValue;  // the predicate admits none of these (D * size % 16 == 0)
-    } else {
+    static_assert(VEC * sizeof(T) == 16 && sizeof(T) <= 4, "launch_16_byte_vectors only");
+    {
       const Problem& pb = p.pb;
       if (p.host_shapes == nullptr || pb.D % VEC != 0 || pb.D > 32 * VEC) return cudaErrorInvalidValue;
       auto kernel = tma_forward_kernel<T, LT, VEC>;
@@ -370,7 +369,7 @@ struct Launch {
 }  // namespace
 
 cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream) {
-  return launch_for_dtypes<Launch>(p, stream);
+  return launch_16_byte_vectors<Launch>(p, stream);
 }
 
 }  // namespace msda::cuda
