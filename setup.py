@@ -105,6 +105,10 @@ def want_cuda():
               "and rebuild (FORCE_CUDA=1 builds them without a visible GPU).\n"
               f"{bar}\n", flush=True)
         return False
+    if torch.version.cuda is not None and not torch.cuda.is_available():
+        print("ms_deform_attn: building CPU-only: no GPU is visible (FORCE_CUDA=1 compiles the CUDA "
+              "kernels without one; TORCH_CUDA_ARCH_LIST picks the architectures)", flush=True)
+        return False
     return torch.cuda.is_available() and CUDA_HOME is not None
 
 

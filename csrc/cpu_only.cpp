@@ -10,7 +10,8 @@ namespace {
 void cuda_kernels_missing(const c10::OperatorHandle& op, torch::jit::Stack*) {
   TORCH_CHECK(false, op.schema().name(),
               ": this build of ms_deform_attn has no CUDA kernels (it was built CPU-only: no "
-              "nvcc was found, or torch had no CUDA), but got CUDA tensors. Rebuild with the CUDA "
+              "nvcc was found, no GPU was visible and FORCE_CUDA=1 was not set, or torch had "
+              "no CUDA), but got CUDA tensors. Rebuild with the CUDA "
               "toolkit matching torch.version.cuda on the PATH (or CUDA_HOME set), e.g. "
               "`FORCE_CUDA=1 pip install --no-build-isolation .`, or pass CPU tensors.");
 }

@@ -246,3 +246,15 @@ def test_mixed_devices():
             msda.ms_deform_attn(*bad)
     # The process stays usable after the errors.
     assert torch.cuda.is_available() and (torch.ones(3, device="cuda") + 1).sum().item() == 6
+
+
+@pytest.mark.skipif(msda.cuda_kernels_built(), reason="this build has the CUDA kernels")
+def test_cpu_only_build_names_the_missing_cuda_kernels():
+    """A build without the CUDA kernels answers CUDA tensors (here: the CUDA
+    kernel called directly) with an error that says so and how to rebuild,
+    not the dispatcher's generic one; the queries say "cuda" has no backend."""
+    value, shapes, start, loc, attn = make_inputs(1, 3, 2, 8, [(4, 5)], 2, torch.float32)
+    op = torch.ops.ms_deform_attn.ms_deform_attn.default
+    with pytest.raises(RuntimeError, match="no CUDA kernels.*FORCE_CUDA=1"):
+        op.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA), value, shapes, start, loc, attn)
+    assert msda.available_backends("cuda") == []
