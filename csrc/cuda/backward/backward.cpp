@@ -5,9 +5,11 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 
+#include "../../backends.h"
 #include "../../output.h"
 #include "../../overrides.h"
 #include "../launch.h"
@@ -96,6 +98,17 @@ at::Tensor sorted_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t
   C10_CUDA_CHECK(sorted_value_grad(p, b, stream));
   return grad_value;
 }
+
+// Installs the hook through which _select_backward_path (../../ops.cpp)
+// asks for a CUDA device's limits, when the library loads.
+const bool kHookInstalled = [] {
+  cuda_hooks().backward_device = [](int device) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(
+        device < 0 ? at::cuda::current_device() : device));
+    return backward_device();
+  };
+  return true;
+}();
 
 }  // namespace
 

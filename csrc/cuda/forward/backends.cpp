@@ -1,16 +1,13 @@
 // The CUDA forward backend table (see backends.h) and the auto policy, and
-// the hooks through which ../../backends.cpp asks it (the backward planner's
-// device limits too).
+// the hooks through which ../../backends.cpp asks it.
 #include "backends.h"
 
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
 
 #include <sstream>
 
 #include "../../backends.h"
 #include "../../overrides.h"
-#include "../backward/backward.h"
 #include "../launch.h"
 
 namespace msda::cuda {
@@ -144,10 +141,6 @@ const bool kHooksInstalled = [] {
   cuda_hooks().available = &available;
   cuda_hooks().select = &select;
   cuda_hooks().reason = &reason;
-  cuda_hooks().backward_device = [](int device) {
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(resolve_device(device)));
-    return backward_device();
-  };
   return true;
 }();
 
