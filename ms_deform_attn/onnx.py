@@ -1,20 +1,26 @@
-"""ONNX export for TensorRT.
+"""ONNX export of models that use this operator, two targets:
 
-`torch.onnx.export(..., dynamo=True)` cannot translate a custom operator by
-itself; `custom_translation_table()` maps ours to one node of TensorRT's
-`MultiscaleDeformableAttnPlugin_TRT` (the plugin that ships with TensorRT,
-found by the ONNX parser by its name), with the conversions the plugin
-needs around it:
-
-    spatial_shapes, level_start_index -> int32
-    sampling_locations, attention_weights -> the value's dtype (fp32 or fp16)
-    plugin output (N, Lq, M, D) -> reshaped to the operator's (N, Lq, M * D)
+- "portable" (the default): the operator written with standard ONNX
+  operators only (gathers and elementwise ops, no GridSample, no plugin),
+  as `reference.ms_deform_attn_gather` computes it: fp32 coordinate math,
+  zero padding, corners outside the map adding nothing, non-finite samples
+  poisoning their row. ONNX Runtime, TensorRT and OpenVINO run it as it is;
+  batch, queries and image size may change between runs of one file when
+  the export marks them dynamic (`dynamic_shapes`, as torch.export takes).
+- "tensorrt": the operator as one node of TensorRT's
+  `MultiscaleDeformableAttnPlugin_TRT` (domain `trt.plugins`), with int32
+  spatial shapes and level starts, locations and weights cast to the
+  value's dtype (fp32 or fp16, which the plugin takes), and its (N, Lq, M,
+  D) output reshaped to (N, Lq, M * D). Only TensorRT with that plugin runs
+  the file; nothing here runs it.
 
     from ms_deform_attn.onnx import export_onnx
-    export_onnx(model, (inputs...), "model.onnx")
+    export_onnx(model, (inputs...), "model.onnx")                    # portable
+    export_onnx(model, (inputs...), "model.onnx", target="tensorrt")
 
-Needs the `onnx` and `onnxscript` packages. The plugin computes in fp32 or
-fp16: export a model whose value is fp32 or fp16 (not bf16).
+Export runs on the CPU with or without the CUDA kernels built. Needs the
+`onnx` and `onnxscript` packages (the `onnx` extra, which adds onnxruntime
+to run the result).
 """
 from __future__ import annotations
 
@@ -22,8 +28,41 @@ from typing import Any, Callable, Dict
 
 import torch
 
+from .reference import fused_locations_and_weights, ms_deform_attn_gather
+
+TARGETS = ("portable", "tensorrt")
 TRT_PLUGIN = "MultiscaleDeformableAttnPlugin_TRT"
 TRT_DOMAIN = "trt.plugins"
+
+
+def _ops():
+    lib = torch.ops.ms_deform_attn
+    return lib.ms_deform_attn.default, lib.ms_deform_attn_fused.default
+
+
+def _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            backend="auto", deterministic=None, spatial_shapes_list=None):
+    return ms_deform_attn_gather(value, spatial_shapes, level_start_index, sampling_locations,
+                                 attention_weights)
+
+
+def _fused_gather(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                  attention_logits, backend="auto", deterministic=None, spatial_shapes_list=None):
+    n, lq, m, n_levels, n_points, _ = sampling_offsets.shape
+    logits = attention_logits.reshape(n, lq, m, n_levels, n_points)
+    loc, weights = fused_locations_and_weights(spatial_shapes, reference_points, sampling_offsets, logits)
+    return ms_deform_attn_gather(value, spatial_shapes, level_start_index, loc, weights)
+
+
+def portable_decompositions() -> Dict[Any, Callable]:
+    """torch.export decompositions (`ExportedProgram.run_decompositions`)
+    that write both operators with standard ops; the default ones beside
+    them."""
+    table = torch.export.default_decompositions()
+    forward, fused = _ops()
+    table[forward] = _gather
+    table[fused] = _fused_gather
+    return table
 
 
 def _register_schema() -> None:
@@ -67,12 +106,49 @@ def custom_translation_table() -> Dict[Any, Callable]:
         lead = op.Shape(out, start=0, end=2)  # (N, Lq)
         return op.Reshape(out, op.Concat(lead, op.Constant(value_ints=[-1]), axis=0))
 
-    return {torch.ops.ms_deform_attn.ms_deform_attn.default: ms_deform_attn_to_trt}
+    return {_ops()[0]: ms_deform_attn_to_trt}
 
 
-def export_onnx(model: torch.nn.Module, args: tuple, f=None, **kwargs):
-    """torch.onnx.export(model, args, f, dynamo=True) with the operator
-    mapped to the TensorRT plugin; returns the ONNXProgram."""
+def _our_nodes(program):
+    ours = set(_ops())
+    return [n for n in program.graph.nodes if n.op == "call_function" and n.target in ours]
+
+
+def export_onnx(model: torch.nn.Module, args: tuple, f=None, *, target: str = "portable",
+                kwargs: Dict[str, Any] | None = None, dynamic_shapes=None, **export_kwargs):
+    """Exports `model` called on `args` (and `kwargs`) to ONNX for `target`
+    ("portable" or "tensorrt", see the module's docstring) through
+    torch.export (`dynamic_shapes` as torch.export.export takes it) and
+    torch.onnx.export(..., dynamo=True); writes `f` when given and returns
+    the ONNXProgram. Raises ValueError for an unknown target, a model that
+    calls neither operator, and, for "tensorrt", a value dtype the plugin
+    does not take."""
+    if target not in TARGETS:
+        raise ValueError(f"export_onnx: target must be one of {TARGETS}, got {target!r}")
+    program = torch.export.export(model, tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes)
+    nodes = _our_nodes(program)
+    if not nodes:
+        raise ValueError(
+            "export_onnx: the exported model calls neither ms_deform_attn nor ms_deform_attn_fused "
+            f"(its graph has {sum(1 for n in program.graph.nodes if n.op == 'call_function')} "
+            "operators); export it with torch.onnx.export directly")
+    if target == "portable":
+        program = program.run_decompositions(portable_decompositions())
+        return torch.onnx.export(program, tuple(args), f, dynamo=True, **export_kwargs)
+    forward, fused = _ops()
+    for node in nodes:
+        if node.target == fused:
+            raise ValueError(
+                "export_onnx: the TensorRT plugin takes sampling locations and weights, not "
+                "ms_deform_attn_fused's offsets and logits: build the layers with fused=False "
+                "(MSDeformAttn(..., fused=False), swap_msda(model, fused=False)) for this target")
+        dtype = node.args[0].meta["val"].dtype
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(
+                f"export_onnx: the TensorRT plugin computes in float32 or float16, but the "
+                f"operator's value is {dtype}: export the model in float32 (model.float()) or "
+                "float16 (model.half()), or use target='portable'")
     table = dict(custom_translation_table())
-    table.update(kwargs.pop("custom_translation_table", None) or {})
-    return torch.onnx.export(model, args, f, dynamo=True, custom_translation_table=table, **kwargs)
+    table.update(export_kwargs.pop("custom_translation_table", None) or {})
+    return torch.onnx.export(program, tuple(args), f, dynamo=True, custom_translation_table=table,
+                             **export_kwargs)

@@ -39,3 +39,76 @@ def ms_deform_attn_pytorch(
     weights = attention_weights.to(dtype).transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)
     out = (stacked * weights).sum(-1)  # (N*M, D, Lq)
     return out.view(n, m * d, lq).transpose(1, 2).contiguous()
+
+
+def ms_deform_attn_gather(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    level_start_index: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The same operator written with gathers and elementwise ops only (no
+    grid_sample, no host reads of the level shapes): what the portable ONNX
+    export (ms_deform_attn.onnx) becomes. Coordinates and sums in float32
+    (float64 for float64 values), corners outside the map add zero, a sample
+    with a non-finite location or weight makes its (query, head) row NaN, as
+    the operator does. Shape-polymorphic: batch, queries and level sizes may
+    change from call to call of one exported graph."""
+    n, s, m, d = value.shape
+    _, lq, _, n_levels, n_points, _ = sampling_locations.shape
+    acc = torch.float64 if value.dtype == torch.float64 else torch.float32
+    hi = spatial_shapes[:, 0].view(1, 1, 1, n_levels, 1)
+    wi = spatial_shapes[:, 1].view(1, 1, 1, n_levels, 1)
+    h, w = hi.to(acc), wi.to(acc)
+    start = level_start_index.view(1, 1, 1, n_levels, 1)
+    # Pixel coordinates as grid_sample(align_corners=False) has them.
+    x = sampling_locations[..., 0].to(acc) * w - 0.5
+    y = sampling_locations[..., 1].to(acc) * h - 0.5
+    a = attention_weights.to(acc)
+    finite = torch.isfinite(x) & torch.isfinite(y) & torch.isfinite(a)
+    x = torch.where(finite, x, torch.zeros_like(x))
+    y = torch.where(finite, y, torch.zeros_like(y))
+    x0, y0 = torch.floor(x), torch.floor(y)
+    fx, fy = x - x0, y - y0
+    # value rows of (n, m): value as (N, M, S, D) flattened, row (n M + m) S + pixel.
+    rows = value.transpose(1, 2).reshape(n * m * s, d)
+    nm = (torch.arange(n, device=value.device).view(n, 1, 1, 1, 1) * m
+          + torch.arange(m, device=value.device).view(1, 1, m, 1, 1)) * s
+    out = torch.zeros(n, lq, m, d, dtype=acc, device=value.device)
+    for dy, dx, weight in ((0, 0, (1 - fx) * (1 - fy)), (0, 1, fx * (1 - fy)),
+                           (1, 0, (1 - fx) * fy), (1, 1, fx * fy)):
+        cx, cy = x0 + dx, y0 + dy
+        inside = (cx >= 0) & (cx <= w - 1) & (cy >= 0) & (cy <= h - 1)
+        pixel = cy.clamp(min=0).to(torch.int64) * wi + cx.clamp(min=0).to(torch.int64)
+        index = torch.where(inside, nm + start + pixel, torch.zeros_like(pixel))
+        corner = rows[index.reshape(-1)].to(acc).view(n, lq, m, n_levels * n_points, d)
+        scale = torch.where(inside, weight * a, torch.zeros_like(a)).view(n, lq, m, n_levels * n_points, 1)
+        out = out + (corner * scale).sum(3)
+    bad_row = (~finite).flatten(3).any(-1, keepdim=True)  # (N, Lq, M, 1)
+    out = torch.where(bad_row, torch.full_like(out, float("nan")), out)
+    return out.reshape(n, lq, m * d).to(value.dtype)
+
+
+def fused_locations_and_weights(
+    spatial_shapes: torch.Tensor,
+    reference_points: torch.Tensor,
+    sampling_offsets: torch.Tensor,
+    attention_logits: torch.Tensor,
+):
+    """ms_deform_attn_fused's locations and weights (Deformable DETR's layer):
+    points ref + offset / (W, H) of the level, boxes (cx, cy) + offset / P *
+    (w, h) * 0.5, weights the softmax over each (n, q, m)'s L P logits; in
+    float32 (float64 where an input is)."""
+    n, lq, m, n_levels, n_points, _ = sampling_offsets.shape
+    acc = torch.promote_types(torch.promote_types(sampling_offsets.dtype, reference_points.dtype),
+                              torch.float32)
+    off = sampling_offsets.to(acc)
+    ref = reference_points.to(acc)[:, :, None, :, None, :]
+    if reference_points.shape[-1] == 2:
+        wh = spatial_shapes.flip(-1).to(acc).view(1, 1, 1, n_levels, 1, 2)
+        loc = ref + off / wh
+    else:
+        loc = ref[..., :2] + off / n_points * ref[..., 2:] * 0.5
+    weights = torch.softmax(attention_logits.to(acc).reshape(n, lq, m, n_levels * n_points), -1)
+    return loc, weights.view(n, lq, m, n_levels, n_points)

@@ -1,5 +1,7 @@
-"""ONNX export: the operator becomes one TensorRT plugin node, with the
-int32 / dtype conversions and the output reshape around it."""
+"""ONNX export: the portable target (standard operators, run here by ONNX
+Runtime against the operator, at two sizes of one dynamic export) and the
+TensorRT target (one plugin node, with the int32 / dtype conversions and the
+output reshape around it; its graph checked, not run)."""
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def test_onnx_export_as_tensorrt_plugin(dtype, tmp_path):
     loc = torch.rand(2, 7, 4, 2, 3, 2)  # fp32 locations with a 16-bit value: cast in the graph
     attn = torch.rand(2, 7, 4, 2, 3)
     path = tmp_path / "msda.onnx"
-    export_onnx(Head().eval(), (value, shapes, start, loc, attn), str(path))
+    export_onnx(Head().eval(), (value, shapes, start, loc, attn), str(path), target="tensorrt")
     model = onnx.load(str(path))
     onnx.checker.check_model(model)
     plugins = [n for n in model.graph.node if n.op_type == TRT_PLUGIN]
@@ -41,3 +43,106 @@ def test_onnx_export_as_tensorrt_plugin(dtype, tmp_path):
              list(inferred.graph.value_info) + list(inferred.graph.input)}
     assert [types[i] for i in plugins[0].input] == [elem, onnx.TensorProto.INT32,
                                                      onnx.TensorProto.INT32, elem, elem]
+
+
+def _session(path):
+    ort = pytest.importorskip("onnxruntime")
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _run(session, inputs):
+    feeds = {i.name: t.detach().numpy() for i, t in zip(session.get_inputs(), inputs)}
+    return torch.from_numpy(session.run(None, feeds)[0])
+
+
+def _problem(n, lq, levels, m=4, d=8, p=3, seed=0):
+    """Inputs with locations inside and outside the map, a NaN location (its
+    row must come out NaN) and the given levels (1 x 1 ones included)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes, start = level_tensors(levels, "cpu")
+    s = sum(h * w for h, w in levels)
+    value = torch.randn(n, s, m, d, generator=g)
+    loc = torch.rand(n, lq, m, len(levels), p, 2, generator=g) * 1.6 - 0.3
+    loc[0, 0, 1, 0, 0, 0] = float("nan")
+    attn = torch.rand(n, lq, m, len(levels), p, generator=g).softmax(-1)
+    return value, shapes, start, loc, attn
+
+
+def _close(out, ref):
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    ok = ~torch.isnan(ref)
+    assert ((out[ok] - ref[ok]).norm() / ref[ok].norm()).item() <= 1e-5
+
+
+def test_portable_export_runs_in_onnx_runtime_at_two_sizes(tmp_path):
+    """One export with dynamic batch, queries and image size, run by ONNX
+    Runtime at the export's sizes and at others (more levels' pixels, a 1 x 1
+    level, another batch): standard operators only, the operator's results."""
+    Dim = torch.export.Dim
+    first = _problem(2, 7, [(4, 5), (1, 1), (2, 3)])
+    dyn = {0: Dim.AUTO, 1: Dim.AUTO}
+    path = tmp_path / "portable.onnx"
+    export_onnx(Head().eval(), first, str(path),
+                dynamic_shapes=(dyn, None, None, dyn, dyn))
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model)
+    kinds = {n.op_type for n in model.graph.node}
+    assert "Gather" in kinds or "GatherND" in kinds
+    assert not kinds & {"GridSample", TRT_PLUGIN} and all(n.domain in ("", "ai.onnx") for n in model.graph.node)
+    session = _session(path)
+    for inputs in (first, _problem(3, 11, [(9, 7), (1, 1), (5, 4)], seed=1)):
+        _close(_run(session, inputs), Head()(*inputs))
+
+
+@pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
+def test_portable_export_of_the_fused_operator(boxes, tmp_path):
+    """ms_deform_attn_fused: the locations and the softmax formed in the
+    graph as the operator forms them."""
+    g = torch.Generator().manual_seed(3)
+    levels = [(6, 5), (3, 3)]
+    shapes, start = level_tensors(levels, "cpu")
+    value = torch.randn(2, 39, 4, 8, generator=g)
+    ref = torch.rand(2, 9, 2, 4 if boxes else 2, generator=g)
+    off = torch.randn(2, 9, 4, 2, 3, 2, generator=g) * 3
+    logits = torch.randn(2, 9, 4, 6, generator=g)
+
+    class Fused(torch.nn.Module):
+        def forward(self, value, shapes, start, ref, off, logits):
+            return msda.ms_deform_attn_fused(value, shapes, start, ref, off, logits)
+
+    inputs = (value, shapes, start, ref, off, logits)
+    path = tmp_path / "fused.onnx"
+    export_onnx(Fused().eval(), inputs, str(path))
+    _close(_run(_session(path), inputs), Fused()(*inputs))
+
+
+def test_portable_export_of_the_layer(tmp_path):
+    """An MSDeformAttn layer (the fused operator inside) exported whole."""
+    from ms_deform_attn.nn import MSDeformAttn
+
+    torch.manual_seed(0)
+    layer = MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2).eval()
+    levels = [(6, 5), (3, 3)]
+    shapes, start = level_tensors(levels, "cpu")
+    query, ref = torch.randn(2, 10, 32), torch.rand(2, 10, 2, 2)
+    flat = torch.randn(2, 39, 32)
+    inputs = (query, ref, flat, shapes, start)
+    path = tmp_path / "layer.onnx"
+    export_onnx(layer, inputs, str(path))
+    with torch.no_grad():
+        _close(_run(_session(path), inputs), layer(*inputs))
+
+
+def test_export_errors_name_what_and_why():
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    with pytest.raises(ValueError, match="calls neither ms_deform_attn nor ms_deform_attn_fused"):
+        export_onnx(Plain(), (torch.ones(2),))
+    inputs = _problem(1, 3, [(2, 2)])
+    with pytest.raises(ValueError, match="target must be one of"):
+        export_onnx(Head(), inputs, target="openvino")
+    bf16 = (inputs[0].bfloat16(),) + inputs[1:]
+    with pytest.raises(ValueError, match="float32 or float16, but the operator's value is torch.bfloat16"):
+        export_onnx(Head(), bf16, target="tensorrt")
