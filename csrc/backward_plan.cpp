@@ -78,6 +78,13 @@ GradValueRequest parse_grad_value_request(const std::string& name) {
               "'; expected 'auto', 'atomic', 'sorted' or 'local'");
 }
 
+int pointer_alignment(const void* ptr) {
+  const auto a = reinterpret_cast<uintptr_t>(ptr);
+  int align = 1;
+  while (align < 32 && a % (2 * align) == 0) align *= 2;
+  return align;
+}
+
 bool dots_mma_ok(const BackwardProblem& p) {
   const Problem& pb = p.pb;
   return pb.D % 32 == 0 && pb.L * padded_points(pb.P) <= 32 &&

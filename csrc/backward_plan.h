@@ -43,6 +43,10 @@ struct BackwardWishes {
   GradValueRequest request = GradValueRequest::automatic;
 };
 
+// The largest power of two dividing ptr's address, at most 32 (the widest
+// vector the kernels read): BackwardProblem's alignments.
+int pointer_alignment(const void* ptr);
+
 // The plan for p on device d given the caller's wishes w.
 BackwardPlan plan_backward(const BackwardProblem& p, const BackwardDevice& d, const BackwardWishes& w);
 

@@ -112,9 +112,7 @@ std::string backward_path(const at::Tensor& value, const at::Tensor& spatial_sha
   BackwardProblem p;
   p.pb = c.pb;
   p.fused = fused;
-  const auto addr = reinterpret_cast<uintptr_t>(value.data_ptr());
-  p.value_align = 1;
-  while (p.value_align < 32 && addr % (2 * p.value_align) == 0) p.value_align *= 2;
+  p.value_align = pointer_alignment(value.data_ptr());
   p.grad_out_align = 32;
   BackwardDevice d;
   if (value.is_cuda() && cuda_hooks().backward_device != nullptr) d = cuda_hooks().backward_device(value.get_device());

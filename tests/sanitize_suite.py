@@ -17,7 +17,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
-from helpers import head_major, make_inputs  # noqa: E402
+from helpers import head_major, kernel_backends, make_inputs  # noqa: E402
 
 # The backward's grad_value paths (MS_DEFORM_ATTN_GRAD_VALUE): atomics, the
 # global sort, the block-local sort (where it applies; else the global one).
@@ -54,7 +54,7 @@ def main() -> int:
             os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
         else:
             os.environ["MS_DEFORM_ATTN_SMEM_BUDGET"] = budget
-        for backend in [b for b in msda.available_backends("cuda") if b != "pytorch"]:
+        for backend in kernel_backends("cuda"):
             for dtype, loc_dtype, d in cases():
                 value, shapes, start, loc, attn = make_inputs(
                     2, 13, 3, d, [(5, 7), (3, 2), (1, 1)], 3, dtype, loc_dtype, outside=0.3,
@@ -79,7 +79,7 @@ def main() -> int:
             os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
         else:
             os.environ["MS_DEFORM_ATTN_SMEM_BUDGET"] = budget
-        for backend in [b for b in msda.available_backends("cuda") if b != "pytorch"]:
+        for backend in kernel_backends("cuda"):
             for dtype in (torch.bfloat16, torch.float32):
                 value, shapes, start, loc, attn = make_inputs(2, 13, 3, 32, levels, 3, dtype,
                                                               torch.float32, outside=0.3, seed=count)

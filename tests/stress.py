@@ -22,7 +22,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
-from helpers import DTYPES, TOL, make_inputs, reference64, rel_err  # noqa: E402
+from helpers import DTYPES, TOL, kernel_backends, make_inputs, reference64, rel_err  # noqa: E402
 
 
 def _graph(device):
@@ -55,7 +55,7 @@ def _graph(device):
 def stress(iterations: int, device: str = "cuda", seed: int = 0, check_every: int = 25,
            log=print) -> dict:
     rng = random.Random(seed)
-    backends = [b for b in msda.available_backends(device) if b != "pytorch"]
+    backends = kernel_backends(device)
     cuda = device == "cuda"
     graph = static = first = None
     if cuda:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
-from helpers import (DTYPES, TOL, away_from_pixel_borders, reference64,  # noqa: E402
+from helpers import (DTYPES, TOL, away_from_pixel_borders, kernel_backends, reference64,  # noqa: E402
                      reference64_grads, rel_err)
 from ms_deform_attn.testing import level_tensors  # noqa: E402
 
@@ -22,7 +22,7 @@ EXAMPLES = int(os.environ.get("MSDA_FUZZ_EXAMPLES", "25"))
 def targets():
     out = [("cpu", "cpu")]
     if torch.cuda.is_available():
-        out += [("cuda", b) for b in msda.available_backends("cuda") if b != "pytorch"]
+        out += [("cuda", b) for b in kernel_backends("cuda")]
     return out
 
 

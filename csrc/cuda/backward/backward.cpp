@@ -24,15 +24,6 @@ int bits_for(int64_t x) {
   return bits;
 }
 
-// The largest power of two dividing the address, at most 32 (the widest
-// vector the kernels read).
-int alignment(const void* ptr) {
-  const auto a = reinterpret_cast<uintptr_t>(ptr);
-  int align = 1;
-  while (align < 32 && a % (2 * align) == 0) align *= 2;
-  return align;
-}
-
 at::Tensor atomic_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
   const auto vt = in.value.scalar_type();
   auto acc = value_shaped(in.pb, in.value.options().dtype(vt == at::kDouble ? at::kDouble : at::kFloat),
@@ -125,8 +116,8 @@ BackwardPlan plan_for(const BackwardParams& p, bool fused, bool deterministic) {
   BackwardProblem bp;
   bp.pb = p.pb;
   bp.fused = fused;
-  bp.value_align = alignment(p.value);
-  bp.grad_out_align = alignment(p.grad_out);
+  bp.value_align = pointer_alignment(p.value);
+  bp.grad_out_align = pointer_alignment(p.grad_out);
   BackwardWishes w;
   w.deterministic = deterministic;
   w.request = grad_value_override();
@@ -135,10 +126,7 @@ BackwardPlan plan_for(const BackwardParams& p, bool fused, bool deterministic) {
 
 at::Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream) {
   p.vec = p.plan.vec;
-  switch (p.plan.grad_value) {
-    case GradValuePath::atomic: return atomic_grad_value(p, in, stream);
-    default: break;
-  }
+  if (p.plan.grad_value == GradValuePath::atomic) return atomic_grad_value(p, in, stream);
   p.cell_stride = 2 * in.pb.S + 2 * in.pb.L;
   if (sample_count(in.pb) == 0) return value_shaped(in.pb, in.value.options(), /*zeroed=*/true);
   return p.plan.grad_value == GradValuePath::local ? local_grad_value(p, in, stream)
