@@ -28,7 +28,7 @@ int vector_width(const BackwardProblem& p, int want, bool reads_value = true) {
   return p.pb.D % want == 0 && aligned ? want : 1;
 }
 
-// The sorted path is also the faster one: bf16 values whose dots and
+// The sorted path is also the faster one: 16-bit values whose dots and
 // grad_value run on tensor cores, with between a third of a sample and D
 // samples a value pixel (S / 3 <= Lq L P <= S D: the encoders; the upper
 // bound keeps the sorted path's scratch, 32 bytes a sample, within 8x the
@@ -37,9 +37,9 @@ int vector_width(const BackwardProblem& p, int want, bool reads_value = true) {
 bool sorted_preferred(const BackwardProblem& p, const BackwardDevice& d) {
   const Problem& pb = p.pb;
   const int64_t samples = pb.Lq * pb.L * pb.P;
-  const bool dense_bf16 = pb.value_dtype == DType::bf16 && dots_mma_ok(p) && 3 * samples >= pb.S &&
-                          samples <= pb.S * pb.D;
-  return dense_bf16 || (half_dtype(pb.value_dtype) && local_value_grad_ok(p, d));
+  const bool dense = half_dtype(pb.value_dtype) && dots_mma_ok(p) && 3 * samples >= pb.S &&
+                     samples <= pb.S * pb.D;
+  return dense || (half_dtype(pb.value_dtype) && local_value_grad_ok(p, d));
 }
 
 bool wants_reproducible(const BackwardProblem& p, const BackwardDevice& d, const BackwardWishes& w) {
@@ -135,7 +135,7 @@ BackwardPlan plan_backward(const BackwardProblem& p, const BackwardDevice& d, co
     // slower); it reads grad_output and writes a fresh grad_value.
     const int elems = static_cast<int>(16 / dtype_bytes(pb.value_dtype));
     plan.gather_vec = vector_width(p, elems, /*reads_value=*/false);
-    const bool tiles = pb.value_dtype == DType::bf16 && plan.gather_vec == elems && pb.D % 32 == 0 &&
+    const bool tiles = half_dtype(pb.value_dtype) && plan.gather_vec == elems && pb.D % 32 == 0 &&
                        pb.N * pb.M * pb.S < (int64_t(1) << 31);
     plan.gather = tiles ? GatherKernel::tiles : GatherKernel::pixels;
   }

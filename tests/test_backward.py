@@ -306,26 +306,32 @@ def test_deterministic_dots_on_tensor_cores(dtype, d, shapes, p, lq, misaligned)
         assert torch.equal(a, b)
 
 
-# The deterministic path's grad_value runs on tensor cores for bf16 values
+# The deterministic path's grad_value runs on tensor cores for 16-bit values
 # with D a multiple of 32 (backward/sorted_grad_value.cu, value_grad_tiles): 4 x 4
 # pixel tiles, the samples of the 5 x 5 cells around each, crowded tiles
 # split over several warps. These shapes walk its edges: levels narrower than
 # a tile or not a multiple of 4, several 32-channel passes, every sample in
-# one tile, locations outside the map.
+# one tile, locations outside the map; and, for fp16's scaled weights,
+# weights of every size (rounds that hold weights of 8 and more take their
+# own scale).
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("d,shapes,p,lq,crowd", [
-    (32, [(1, 1), (1, 7), (7, 1), (5, 9)], 4, 50, False),
-    (64, [(13, 21), (4, 4), (2, 3)], 3, 300, False),   # two passes; split tiles on (2, 3)
-    (96, [(6, 10)], 2, 40, False),                     # three passes
-    (32, [(16, 16), (8, 8)], 4, 2000, True),           # every sample within 2 pixels of one point
-], ids=["narrow-levels", "d64", "d96", "one-tile"])
-def test_deterministic_grad_value_on_tensor_cores(d, shapes, p, lq, crowd, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d,shapes,p,lq,case", [
+    (32, [(1, 1), (1, 7), (7, 1), (5, 9)], 4, 50, None),
+    (64, [(13, 21), (4, 4), (2, 3)], 3, 300, None),   # two passes; split tiles on (2, 3)
+    (96, [(6, 10)], 2, 40, None),                     # three passes
+    (32, [(16, 16), (8, 8)], 4, 2000, "crowd"),       # every sample within 2 pixels of one point
+    (32, [(13, 21), (4, 4)], 4, 300, "wide-weights"),  # weights from 1e-6 to 3e3
+], ids=["narrow-levels", "d64", "d96", "one-tile", "wide-weights"])
+def test_deterministic_grad_value_on_tensor_cores(dtype, d, shapes, p, lq, case, monkeypatch):
     monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "sorted")  # not the block-local path
-    dtype = torch.bfloat16
     value, shapes_t, start, loc, attn = make_inputs(2, lq, 3, d, shapes, p, dtype, torch.float32,
                                                     device="cuda", seed=11)
-    if crowd:
+    if case == "crowd":
         loc = 0.4 + 0.1 * torch.rand_like(loc)
+    if case == "wide-weights":
+        g = torch.Generator(device="cuda").manual_seed(3)
+        attn = attn * torch.exp2(torch.empty_like(attn).uniform_(-20, 12, generator=g))
     value, loc, attn = (t.detach().requires_grad_() for t in (value, loc, attn))
     out = run(value, shapes_t, start, loc, attn, "baseline", deterministic=True)
     grad = torch.randn_like(out)
@@ -333,7 +339,7 @@ def test_deterministic_grad_value_on_tensor_cores(d, shapes, p, lq, crowd, monke
     ref = reference64_grads(value, shapes_t, start, loc, attn, grad)
     # bf16 rounding of the output alone is ~1e-3; weights cut to bf16 would add
     # about as much again.
-    assert rel_err(grads[0], ref[0]) <= 3e-3
+    assert rel_err(grads[0], ref[0]) <= (3e-3 if dtype == torch.bfloat16 else TOL[dtype])
     for name, g, r in zip(("locations", "weights"), grads[1:], ref[1:]):
         assert rel_err(g, r) <= TOL[dtype], name
     again = torch.autograd.grad(run(value, shapes_t, start, loc, attn, "baseline",

@@ -12,13 +12,14 @@ from ms_deform_attn import testing as W
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-def problem(workload, dtype, d=None, loc_dtype=torch.float32, misaligned=False):
+def problem(workload, dtype, d=None, loc_dtype=torch.float32, misaligned=False, queries=None):
     """Uninitialised CPU inputs of a canonical workload's sizes (the planner
-    reads sizes, dtypes and the value's alignment only)."""
+    reads sizes, dtypes and the value's alignment only); `queries` replaces
+    the workload's query count."""
     wl = W.get(workload)
     d = d or wl.d
     shapes, start = W.level_tensors(wl.levels, "cpu")
-    n, s, lq, m, levels = wl.n, wl.s, wl.queries, wl.m, len(wl.levels)
+    n, s, lq, m, levels = wl.n, wl.s, queries or wl.queries, wl.m, len(wl.levels)
     if misaligned:  # value's data one element past an aligned address
         value = torch.empty(n * s * m * d + 1, dtype=DT[dtype])[1:].view(n, s, m, d)
     else:
@@ -37,14 +38,14 @@ COMPOSITE = plan("atomic", "ffma", 1, composite=True)
 
 # (id, problem arguments, planner wishes, expected plan)
 TABLE = [
-    # Dense bf16 (the encoders): the sorted path on tensor cores is the faster one.
+    # Dense 16-bit values (the encoders): the sorted path on tensor cores is the faster one.
     ("ddetr_enc-bf16", ("ddetr_enc", "bf16"), {}, plan("sorted", "mma", 8, "tiles", 8)),
+    ("ddetr_enc-fp16", ("ddetr_enc", "fp16"), {}, plan("sorted", "mma", 8, "tiles", 8)),
     # L = 3 (L Pp = 12 does not divide a warp): the flat slot sequence, enough tasks.
     ("m2f_enc-bf16", ("m2f_enc", "bf16"), {}, plan("sorted", "mma_flat", 8, "tiles", 8)),
     ("m2f_enc-bf16-fused", ("m2f_enc", "bf16"), {"fused": True}, plan("sorted", "mma_rows", 8, "tiles", 8)),
     ("ddetr_enc-bf16-fused", ("ddetr_enc", "bf16"), {"fused": True}, plan("sorted", "mma", 8, "tiles", 8)),
-    # fp16 and fp32 encoders: atomics (16 bytes of the fp32 accumulator a lane).
-    ("ddetr_enc-fp16", ("ddetr_enc", "fp16"), {}, plan("atomic", "ffma", 4)),
+    # fp32 encoders: atomics (16 bytes of the fp32 accumulator a lane).
     ("ddetr_enc-fp32", ("ddetr_enc", "fp32"), {}, plan("atomic", "ffma", 4)),
     ("ddetr_enc-fp64", ("ddetr_enc", "fp64"), {}, plan("atomic", "ffma", 2)),
     # Deterministic: the global sort where the block-local path cannot hold a
@@ -52,7 +53,11 @@ TABLE = [
     ("ddetr_enc-fp32-det", ("ddetr_enc", "fp32"), {"deterministic": True},
      plan("sorted", "ffma", 8, "pixels", 4)),
     ("ddetr_enc-fp16-det", ("ddetr_enc", "fp16"), {"deterministic": True},
-     plan("sorted", "mma", 8, "pixels", 8)),
+     plan("sorted", "mma", 8, "tiles", 8)),
+    # More samples than S D, beyond what the block-local path holds: the
+    # sorted path's scratch would pass 8x the atomic accumulator's, atomics.
+    ("ddetr_enc-fp16-overfull", ("ddetr_enc", "fp16", None, torch.float32, False, 50000), {},
+     plan("atomic", "ffma", 4)),
     ("ddetr_enc-fp64-det", ("ddetr_enc", "fp64"), {"deterministic": True},
      plan("sorted", "ffma", 4, "pixels", 2)),
     # 16-bit decoders: the block-local grad_value (no sort) is the faster one.

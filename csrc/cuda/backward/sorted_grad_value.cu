@@ -300,13 +300,13 @@ __global__ void __launch_bounds__(kThreads, kPixelsMinBlocksPerSm)
   }
 }
 
-// ---- grad_value on tensor cores (bf16 values) ------------------------------
+// ---- grad_value on tensor cores (16-bit values) ----------------------------
 // The gather's sums as matrix products. A warp owns a 4 x 4 tile of pixels of
 // one (n, m, level); the samples of the 5 x 5 cells around it (cell rows
 // y0 - 1 .. y0 + 3 and columns x0 - 1 .. x0 + 3: five runs of the sorted
 // order) are taken 32 at a time (a round), and grad_value[tile] += W^T G,
-// with W (32 samples x 16 pixels) their corner weights, split in a bf16 high
-// and low part so that the weights keep fp32 precision, and G (32 samples x
+// with W (32 samples x 16 pixels) their corner weights, split in a 16-bit
+// high and low part so that the weights keep fp32 precision, and G (32 samples x
 // 32 channels) their grad_output rows: 2 k-steps x 4 n-tiles x 2 parts of
 // m16n8k16 mma, fp32 sums. Each sample's lane scatters its in-tile corner
 // weights into a zeroed W in shared memory; G's rows are copied with
@@ -314,7 +314,13 @@ __global__ void __launch_bounds__(kThreads, kPixelsMinBlocksPerSm)
 // are samples). Tiles of the crowded (small) levels are split over 2-8 warps
 // of a block, which take the rounds in turn and add their sums in a fixed
 // order, so the result is the same on every run.
-constexpr int kTileRounds = 8;  // rounds a warp aims at before its tile is split
+// fp16 weights are scaled by 2^kHalfWeightExp before the split, so that the
+// low parts of weights down to 2^-15 stay normal fp16 numbers, and the sums
+// scaled back at the end; a round holding a weight that the scale would take
+// past fp16's range (|w| >= 8) is scaled by its own power of two instead,
+// multiplied into zeroed sums and added to the tile's at the tile's scale.
+constexpr int kTileRounds = 8;
+constexpr int kHalfWeightExp = 12;  // rounds a warp aims at before its tile is split
 
 struct __align__(16) TileSmem {
   union {
@@ -354,12 +360,13 @@ struct TileEntry {
 
 // 80 registers, 3 blocks an SM (at 64 it spills). A G copied a round ahead
 // into a second buffer measured slower (docs/performance.md).
-template <typename Id>
+template <typename T, typename Id>
 __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
     value_grad_tiles(const BackwardParams p, const Id* __restrict__ rows,
                      const float* __restrict__ wts, const Id* __restrict__ keys,
-                     const int64_t* __restrict__ cell_start, __nv_bfloat16* __restrict__ grad_value) {
-  using T = __nv_bfloat16;
+                     const int64_t* __restrict__ cell_start, T* __restrict__ grad_value) {
+  constexpr bool kHalf = std::is_same_v<T, __half>;
+  constexpr int kScaleExp = kHalf ? kHalfWeightExp : 0;
   const Problem& pb = p.pb;
   // Block items: kWarps / g tiles of a level (g = its warps a tile). The
   // launch keeps N M S below 2^31, so items, tiles and (n, m) indices fit
@@ -455,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
       };
       // W of a round's entries: zeroed, then each sample's corners inside the
       // tile.
-      auto build_w = [&](const TileEntry<Id>& e) {
+      auto build_w = [&](const TileEntry<Id>& e, float scale) {
         uint4* a4 = reinterpret_cast<uint4*>(&sm.a[0][0][0][0]);
 #pragma unroll
         for (int i = 0; i < 4; ++i) a4[lane + 32 * i] = make_uint4(0, 0, 0, 0);
@@ -472,29 +479,51 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
           const bool left = unsigned(px) < 4u, right = unsigned(px + 1) < 4u;
           const int off[4] = {top, top + 16, bottom, bottom + 16};
           const bool in[4] = {up && left, up && right, down && left, down && right};
-          const float w[4] = {e.w.x, e.w.y, e.w.z, e.w.w};
+          const float w[4] = {e.w.x * scale, e.w.y * scale, e.w.z * scale, e.w.w * scale};
           uint16_t* plane = &sm.a[lane / 16][0][0][0];  // hi; lo 256 elements on
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            if (in[k]) split_bf16(w[k], plane[off[k]], plane[off[k] + 256]);
+            if (in[k]) split_16<T>(w[k], plane[off[k]], plane[off[k] + 256]);
           }
         }
       };
-      float acc[4][4] = {};
-      // acc += W^T G (after the copies are waited for).
-      auto multiply = [&]() {
+      float acc[4][4] = {};  // times 2^kScaleExp
+      // sums += W^T G (after the copies are waited for).
+      auto multiply = [&](float (&sums)[4][4]) {
         __syncwarp();
-        wtg_round<T>(acc, sm.a, sm.b, lane);
+        wtg_round<T>(sums, sm.a, sm.b, lane);
         __syncwarp();  // W and G are rewritten by the next round
       };
+      constexpr float kScale = float(1 << kScaleExp);
       const Id step = Id(32 * g);
       TileEntry<Id> cur = fetch(Id(sub) * 32 + lane);
       for (Id v0 = Id(sub) * 32; v0 < count; v0 += step) {
         const TileEntry<Id> nxt = fetch(v0 + step + lane);  // in flight meanwhile
         stage_g(cur);
-        build_w(cur);
-        cp_async_wait<0>();
-        multiply();
+        // fmaxf drops NaN: a NaN weight goes through as a NaN fp16.
+        const float wmax = cur.run >= 0 ? fmaxf(fmaxf(fabsf(cur.w.x), fabsf(cur.w.y)),
+                                                fmaxf(fabsf(cur.w.z), fabsf(cur.w.w)))
+                                        : 0.f;
+        if (kHalf && __any_sync(0xffffffffu, wmax >= 8.f)) {
+          // 2^k with the round's largest weight times 2^k in [2^14, 2^15)
+          // (k >= -114 for inf: its parts are inf and NaN, as with bf16).
+          const int e = int((__reduce_max_sync(0xffffffffu, __float_as_uint(wmax)) >> 23) & 0xff) - 127;
+          const int k = 14 - e;
+          build_w(cur, __int_as_float((127 + k) << 23));
+          cp_async_wait<0>();
+          float part[4][4] = {};
+          multiply(part);
+          const float up = __int_as_float((127 + kScaleExp - k) << 23);
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[c][i] = fmaf(part[c][i], up, acc[c][i]);
+          }
+        } else {
+          build_w(cur, kScale);
+          cp_async_wait<0>();
+          multiply(acc);
+        }
         cur = nxt;
       }
       if (g > 1) {  // the tile's warps' sums, added in warp order
@@ -528,7 +557,7 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
                      2 * (lane % 4);
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
-              const float pair[2] = {acc[c][2 * half], acc[c][2 * half + 1]};
+              const float pair[2] = {acc[c][2 * half] * (1.f / kScale), acc[c][2 * half + 1] * (1.f / kScale)};
               store_vec<T, 2>(out + 8 * c, pair);
             }
           }
@@ -564,13 +593,13 @@ struct GatherLaunch {
     T* out = static_cast<T*>(b.grad_value);
     DeviceLimits d;
     if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
-    if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC == 8) {
-      // The planner's tiles: bf16, VEC == 8 (grad_output and grad_value
+    if constexpr ((std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) && VEC == 8) {
+      // The planner's tiles: 16-bit values, VEC == 8 (grad_output and grad_value
       // 16-byte aligned), D a multiple of 32, fewer than 2^31 pixels for the
       // tiles' 32-bit item arithmetic.
       if (p.plan.gather == GatherKernel::tiles) {
         // As many blocks as fit (__launch_bounds__), the rest of the items in turn.
-        value_grad_tiles<Id><<<static_cast<unsigned>(d.sms) * kTilesBlocksPerSm, kThreads, 0, stream>>>(
+        value_grad_tiles<T, Id><<<static_cast<unsigned>(d.sms) * kTilesBlocksPerSm, kThreads, 0, stream>>>(
             p, rows, wts, static_cast<const Id*>(b.sorted_keys), start, out);
         return cudaGetLastError();
       }

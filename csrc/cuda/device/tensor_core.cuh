@@ -71,13 +71,23 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// A weight as a bf16 high part and the bf16 rounding of what is left, so
+// A weight as a 16-bit (T) high part and the rounding of what is left, so
 // that an mma over both (each against the same B) sums it to about fp32
-// precision.
-__device__ __forceinline__ void split_bf16(float w, uint16_t& hi, uint16_t& lo) {
-  const __nv_bfloat16 h = __float2bfloat16_rn(w);
-  hi = __bfloat16_as_ushort(h);
-  lo = __bfloat16_as_ushort(__float2bfloat16_rn(w - __bfloat162float(h)));
+// precision: 16 significant bits for bf16, 22 for fp16 where w's low part
+// is a normal fp16 (|w| >= 2^-3; value_grad_tiles scales fp16 weights into
+// that range).
+template <typename T>
+__device__ __forceinline__ void split_16(float w, uint16_t& hi, uint16_t& lo) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const __nv_bfloat16 h = __float2bfloat16_rn(w);
+    hi = __bfloat16_as_ushort(h);
+    lo = __bfloat16_as_ushort(__float2bfloat16_rn(w - __bfloat162float(h)));
+  } else {
+    static_assert(std::is_same_v<T, __half>, "16-bit inputs");
+    const __half h = __float2half_rn(w);
+    hi = __half_as_ushort(h);
+    lo = __half_as_ushort(__float2half_rn(w - __half2float(h)));
+  }
 }
 
 // acc += W^T G over one 32-sample round of value_grad_tiles' layouts: W a
