@@ -68,8 +68,8 @@ def ms_deform_attn(
             atomics). None (default) follows
             torch.are_deterministic_algorithms_enabled() at backward time.
             Without it the backward takes whichever path is faster: on CUDA
-            with bf16 values and dense sampling (encoders) that is the sorted
-            one, reproducible too; elsewhere atomics (BENCHMARKS.md). The
+            with 16-bit values and dense sampling (encoders) that is the
+            sorted one, reproducible too; elsewhere atomics (BENCHMARKS.md). The
             forward is deterministic either way.
         spatial_shapes_list: the level shapes on the host, [(H, W), ...] (what
             transformers passes as value_spatial_shapes_list), equal to

@@ -349,16 +349,16 @@ def test_deterministic_grad_value_on_tensor_cores(dtype, d, shapes, p, lq, case,
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_dense_bf16_default_backward_is_the_sorted_one():
-    """Dense bf16 problems (S / 3 <= Lq L P <= S D, D a multiple of 32) take
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dense_16bit_default_backward_is_the_sorted_one(dtype):
+    """Dense 16-bit problems (S / 3 <= Lq L P <= S D, D a multiple of 32) take
     the sorted backward without being asked (it is the faster one there,
     docs/performance.md): the default gradients are bitwise those of
     deterministic=True."""
     value, shapes, start, loc, attn = make_inputs(2, 129, 4, 32, [(9, 11), (5, 6)], 4,
-                                                  torch.bfloat16, torch.float32, device="cuda",
-                                                  seed=5)
+                                                  dtype, torch.float32, device="cuda", seed=5)
     value, loc, attn = (t.detach().requires_grad_() for t in (value, loc, attn))
-    grad = torch.randn(2, 129, 4 * 32, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(2, 129, 4 * 32, device="cuda", dtype=dtype)
     got = [torch.autograd.grad(run(value, shapes, start, loc, attn, "baseline", deterministic=det),
                                (value, loc, attn), grad) for det in (False, True)]
     for a, b in zip(*got):
