@@ -2,14 +2,19 @@
 # make bench  - build and benchmark the default workload (ddetr_enc, ddetr_dec on a
 #               GPU; a scaled-down ddetr_enc on the CPU) for every backend and the reference
 # make cpp    - build and run the C++ example (examples/cpp) against the in-place build
+# make aoti   - export the small detector with AOTInductor and run it from C++ (examples/aoti)
+# make wheel  - a wheel in dist/ for the installed torch, with the CUDA kernels for
+#               WHEEL_ARCHS (A100 ... RTX 50: sm_80 sm_86 sm_89 sm_90a sm_100 sm_120, PTX
+#               of the newest); docs/development.md gives its build time and size
 # Set FORCE_CUDA=1 to compile the CUDA kernels without a visible GPU; MAX_JOBS
 # bounds the parallel compile jobs. torch must be installed first (README).
 PYTHON ?= python3
 BENCH_ARGS ?=
 # The extras the test suite uses (pyproject.toml): without them some tests skip.
 TEST_EXTRAS ?= test hf onnx
+WHEEL_ARCHS ?= 8.0;8.6;8.9;9.0a;10.0;12.0+PTX
 
-.PHONY: deps build test bench bench-full cpp clean
+.PHONY: deps build test bench bench-full cpp aoti wheel clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "torch is not installed: pip install torch first (README, Install)"; exit 1; }
@@ -32,11 +37,25 @@ bench: build
 bench-full: build
 	$(PYTHON) -m benchmarks.run --full $(BENCH_ARGS)
 
+wheel:
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "torch is not installed: pip install torch first (README, Install)"; exit 1; }
+	@command -v ninja >/dev/null || $(PYTHON) -c "import ninja" 2>/dev/null || $(PYTHON) -m pip install ninja
+	@$(PYTHON) -c "import wheel" 2>/dev/null || $(PYTHON) -m pip install wheel
+	FORCE_CUDA=$${FORCE_CUDA:-1} TORCH_CUDA_ARCH_LIST="$(WHEEL_ARCHS)" \
+	  $(PYTHON) -m pip wheel --no-build-isolation --no-deps -w dist .
+
 cpp: build
 	@$(PYTHON) -c "import cmake" 2>/dev/null || command -v cmake >/dev/null || $(PYTHON) -m pip install -q $$($(PYTHON) scripts/extras.py cpp)
 	cmake -S examples/cpp -B build-cpp -DCMAKE_PREFIX_PATH="$$($(PYTHON) -m ms_deform_attn --cmake-prefix-path)"
 	cmake --build build-cpp -j
 	./build-cpp/msda_example
 
+aoti: build
+	@$(PYTHON) -c "import cmake" 2>/dev/null || command -v cmake >/dev/null || $(PYTHON) -m pip install -q $$($(PYTHON) scripts/extras.py cpp)
+	$(PYTHON) examples/aoti/export_detector.py --device cpu --out build-aoti
+	cmake -S examples/aoti -B build-aoti-cpp -DCMAKE_PREFIX_PATH="$$($(PYTHON) -m ms_deform_attn --cmake-prefix-path)"
+	cmake --build build-aoti-cpp -j
+	./build-aoti-cpp/aoti_detector build-aoti/model.pt2 build-aoti/io.pt
+
 clean:
-	rm -rf build build-cpp ms_deform_attn/*.so ms_deform_attn/lib *.egg-info
+	rm -rf build build-cpp build-aoti build-aoti-cpp dist ms_deform_attn/*.so ms_deform_attn/lib ms_deform_attn/_build_info.py *.egg-info

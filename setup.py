@@ -131,6 +131,34 @@ def library_header_dirs():
 
 
 LIB = "ms_deform_attn.lib.libms_deform_attn"  # built as ms_deform_attn/lib/libms_deform_attn.so
+GENERATED = os.path.join(ROOT, "build", "generated")  # ms_deform_attn_build.h
+
+
+def torch_pin():
+    """The torch requirement of what is built here: the major.minor release
+    it compiles against (LibTorch's C++ ABI changes between minor releases,
+    not between patch releases), so that pip refuses any other torch."""
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return f"torch=={major}.{minor}.*"
+
+
+def write_build_info(cuda: bool):
+    """What the build was made against, for the checks at import
+    (ms_deform_attn/_build_info.py: torch and CUDA versions) and at the first
+    CUDA call (ms_deform_attn_build.h: the architectures)."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "") if cuda else ""
+    os.makedirs(GENERATED, exist_ok=True)
+    header = ("// Written by setup.py.\n#pragma once\n"
+              f"#define MSDA_CUDA_ARCHS \"{archs}\"\n")
+    info = ('"""Written by setup.py: what this build of ms_deform_attn was compiled against."""\n'
+            f"TORCH_VERSION = {torch.__version__!r}\n"
+            f"CUDA_VERSION = {(torch.version.cuda if cuda else None)!r}\n"
+            f"CUDA_ARCHS = {archs!r}\n")
+    for path, text in ((os.path.join(GENERATED, "ms_deform_attn_build.h"), header),
+                       (os.path.join(ROOT, "ms_deform_attn", "_build_info.py"), info)):
+        if not os.path.exists(path) or open(path).read() != text:  # keep ninja's timestamps
+            with open(path, "w") as f:
+                f.write(text)
 
 
 def openmp_flag():
@@ -171,13 +199,15 @@ def library():
     if omp:
         cxx.append(omp)
         link.append(omp)
-    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include")]
-    if not want_cuda():
+    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include"), GENERATED]
+    cuda = want_cuda()
+    if cuda and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+    write_build_info(cuda)
+    if not cuda:
         ext = CppExtension(LIB, sources, include_dirs=include_dirs, extra_link_args=link,
                            extra_compile_args={"cxx": cxx})
     else:
-        if not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
         cxx.append("-DMSDA_WITH_CUDA")  # cpu_only.cpp and the build query know
         nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DMSDA_WITH_CUDA"]
         if os.environ.get("MSDA_PTXAS_VERBOSE", "0") == "1":
@@ -191,9 +221,11 @@ def library():
 
 
 def python_module():
-    # Plain (no torch libraries): all it does is load the library.
+    # Plain (no torch libraries): all it does is load the library. Python's
+    # limited API (3.9 on): one build serves every Python (an abi3 module).
     return Extension("ms_deform_attn._C", ["csrc/python/module.cpp"], libraries=["ms_deform_attn"],
-                     extra_link_args=["-Wl,-rpath,$ORIGIN/lib"], language="c++")
+                     extra_link_args=["-Wl,-rpath,$ORIGIN/lib"], language="c++",
+                     define_macros=[("Py_LIMITED_API", "0x03090000")], py_limited_api=True)
 
 
 class Build(BuildExtension):
@@ -225,6 +257,9 @@ setup(
                                      exclude=["ms_deform_attn.lib", "ms_deform_attn.__pycache__"]),
     package_data={"ms_deform_attn": ["include/ms_deform_attn/*.h", "share/cmake/ms_deform_attn/*.cmake"]},
     ext_modules=[library(), python_module()],
+    install_requires=[torch_pin()],
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},
+    # The wheel's Python module uses the limited API; its library no Python.
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
     zip_safe=False,
 )

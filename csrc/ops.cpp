@@ -9,6 +9,7 @@
 
 #include "backends.h"
 #include "backward_plan.h"
+#include "cuda_archs.h"
 #include "ms_deform_attn/ms_deform_attn.h"
 #include "validation.h"
 
@@ -171,6 +172,14 @@ TORCH_LIBRARY(ms_deform_attn, m) {
     return false;
 #endif
   });
+  // TORCH_CUDA_ARCH_LIST of the build ("" without CUDA kernels), and the
+  // error a device of compute capability major.minor gets ("" if it runs them).
+  m.def("_cuda_archs() -> str", &msda::cuda_archs);
+  m.def("_kernel_image_error(str archs, int major, int minor, str device) -> str",
+        [](c10::string_view archs, int64_t major, int64_t minor, c10::string_view device) {
+          return msda::kernel_image_error(std::string(archs), static_cast<int>(major),
+                                          static_cast<int>(minor), std::string(device));
+        });
   m.def(
       "_select_backward_path(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, bool fused=False, "

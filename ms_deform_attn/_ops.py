@@ -18,6 +18,32 @@ if not glob.glob(os.path.join(_here, "_C*")):
         "build it in place (`make build`, or `pip install --no-build-isolation -e .`); if the "
         "package was installed with `pip install .`, run Python from another directory (the "
         "checkout's ms_deform_attn/ folder hides the installed package).")
+
+
+def _check_torch() -> None:
+    """The library links the LibTorch it was compiled against: another torch
+    release (or a torch of another CUDA major version) would fail in the
+    dynamic loader with a missing symbol or library. Say so first."""
+    try:
+        from . import _build_info as built
+    except ImportError:  # a build older than the file
+        return
+    release = lambda v: tuple(v.split("+")[0].split(".")[:2])  # noqa: E731
+    cuda_major = lambda v: v.split(".")[0] if v else None  # noqa: E731
+    ours = f"torch {built.TORCH_VERSION}" + (f" (CUDA {built.CUDA_VERSION})" if built.CUDA_VERSION else "")
+    if release(built.TORCH_VERSION) != release(torch.__version__):
+        raise ImportError(
+            f"ms_deform_attn was built against {ours}, but torch {torch.__version__} is installed: "
+            f"install torch=={'.'.join(release(built.TORCH_VERSION))}.* (what the wheel requires), or "
+            "a build of ms_deform_attn for this torch (pip install --no-build-isolation . from source)")
+    if built.CUDA_VERSION and cuda_major(built.CUDA_VERSION) != cuda_major(torch.version.cuda):
+        raise ImportError(
+            f"ms_deform_attn was built against {ours}, but this torch has "
+            f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'no CUDA'}: install the torch "
+            f"build for CUDA {built.CUDA_VERSION}, or build ms_deform_attn for this torch from source")
+
+
+_check_torch()
 from . import _C  # noqa: F401,E402  (loads lib/libms_deform_attn.so: the C++ registrations)
 
 _lib = torch.ops.ms_deform_attn
@@ -28,6 +54,14 @@ REFERENCE_BACKEND = "pytorch"
 
 
 _CUDA_KERNELS = bool(_lib._built_with_cuda())
+
+
+def cuda_archs() -> str:
+    """The CUDA architectures this build has kernels for, as
+    TORCH_CUDA_ARCH_LIST gave them to the compiler ("8.0;8.6;...;12.0+PTX");
+    "" without CUDA kernels. A GPU none of them runs on gets an error naming
+    both at its first call."""
+    return str(_lib._cuda_archs())
 
 
 def cuda_kernels_built() -> bool:
@@ -131,16 +165,18 @@ def ms_deform_attn_fused(
 
 def _flat_shapes(shapes: Optional[Sequence]) -> Optional[List[int]]:
     """[(H, W), ...] (or already flat [H, W, ...]) as the flat int list the
-    operator's schema takes."""
+    operator's schema takes. None where a size is symbolic (torch.export or
+    torch.compile with dynamic image sizes): the list is a host-side copy of
+    spatial_shapes, and making it ints would fix the image size in the
+    traced program (only the `tma` backend needs it)."""
     if shapes is None:
         return None
-    flat: List[int] = []
+    flat: List = []
     for item in shapes:
-        if isinstance(item, (tuple, list, torch.Size)):
-            flat.extend(int(v) for v in item)
-        else:
-            flat.append(int(item))
-    return flat
+        flat.extend(item if isinstance(item, (tuple, list, torch.Size)) else (item,))
+    if any(isinstance(v, torch.SymInt) for v in flat):
+        return None
+    return [int(v) for v in flat]
 
 
 def available_backends(device: Optional[Union[str, torch.device]] = None) -> List[str]:

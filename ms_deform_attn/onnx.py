@@ -6,7 +6,8 @@
   zero padding, corners outside the map adding nothing, non-finite samples
   poisoning their row. ONNX Runtime, TensorRT and OpenVINO run it as it is;
   batch, queries and image size may change between runs of one file when
-  the export marks them dynamic (`dynamic_shapes`, as torch.export takes).
+  the export marks them dynamic (`dynamic_shapes`, as torch.export takes;
+  `symbolic_sizes` keeps transformers' detectors' level sizes symbolic).
 - "tensorrt": the operator as one node of TensorRT's
   `MultiscaleDeformableAttnPlugin_TRT` (domain `trt.plugins`), with int32
   spatial shapes and level starts, locations and weights cast to the
@@ -24,6 +25,7 @@ to run the result).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Dict
 
 import torch
@@ -109,6 +111,49 @@ def custom_translation_table() -> Dict[Any, Callable]:
     return {_ops()[0]: ms_deform_attn_to_trt}
 
 
+def _has_symbolic(data) -> bool:
+    if isinstance(data, (list, tuple)):
+        return any(_has_symbolic(v) for v in data)
+    return isinstance(data, (torch.SymInt, torch.SymFloat))
+
+
+@contextlib.contextmanager
+def symbolic_sizes():
+    """While active, two torch functions that detection models call on
+    feature-map sizes keep those sizes symbolic under torch.export instead of
+    making them constants (which would fix the image size of the exported
+    program): `torch.as_tensor` of a nested list holding symbolic ints (how
+    transformers builds `spatial_shapes` from `spatial_shapes_list`) and
+    `torch.linspace` with a symbolic step count (its reference-point grids).
+    Both give the same values as the functions they stand in for; other
+    calls go to the functions themselves. export_onnx applies it when given
+    `dynamic_shapes`; wrap torch.export.export in it for AOTInductor."""
+    as_tensor, linspace = torch.as_tensor, torch.linspace
+
+    def symbolic_as_tensor(data, dtype=None, device=None):
+        if not (isinstance(data, (list, tuple)) and _has_symbolic(data)):
+            return as_tensor(data, dtype=dtype, device=device)
+
+        def build(x):
+            if isinstance(x, (list, tuple)):
+                return torch.stack([build(v) for v in x])
+            return torch.scalar_tensor(x, dtype=dtype or torch.long, device=device)
+        return build(data)
+
+    def symbolic_linspace(start, end, steps, *, dtype=None, device=None, **kwargs):
+        if not _has_symbolic((start, end, steps)) or kwargs:
+            return linspace(start, end, steps, dtype=dtype, device=device, **kwargs)
+        dtype = dtype or torch.get_default_dtype()
+        index = torch.arange(steps, dtype=dtype, device=device)
+        return start + index * ((end - start) / torch.sym_max(steps - 1, 1))
+
+    torch.as_tensor, torch.linspace = symbolic_as_tensor, symbolic_linspace
+    try:
+        yield
+    finally:
+        torch.as_tensor, torch.linspace = as_tensor, linspace
+
+
 def _our_nodes(program):
     ours = set(_ops())
     return [n for n in program.graph.nodes if n.op == "call_function" and n.target in ours]
@@ -125,7 +170,8 @@ def export_onnx(model: torch.nn.Module, args: tuple, f=None, *, target: str = "p
     does not take."""
     if target not in TARGETS:
         raise ValueError(f"export_onnx: target must be one of {TARGETS}, got {target!r}")
-    program = torch.export.export(model, tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes)
+    with symbolic_sizes() if dynamic_shapes is not None else contextlib.nullcontext():
+        program = torch.export.export(model, tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes)
     nodes = _our_nodes(program)
     if not nodes:
         raise ValueError(

@@ -225,3 +225,31 @@ def reference_gather(value, shapes, start, loc, attn):
                 v = value[n_idx, pix, m_idx].double()  # (N, Q, M, P, D)
                 out = out + ((wgt * ok * a)[..., None] * v).sum(3)
     return _poison_rows(out.reshape(out.shape[0], out.shape[1], m * d), poisoned(loc, attn))
+
+
+# ---- small transformers detectors (random weights) -------------------------
+def tiny_deformable_detr(device):
+    transformers = pytest.importorskip("transformers")
+    bb = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
+                                   depths=[1, 1, 1, 1], out_features=["stage2", "stage3", "stage4"])
+    cfg = transformers.DeformableDetrConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, num_queries=10, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
+        use_timm_backbone=False, backbone_config=bb, use_pretrained_backbone=False, backbone=None)
+    torch.manual_seed(0)
+    return transformers.DeformableDetrModel(cfg).to(device).eval()
+
+
+def tiny_rt_detr(device):
+    transformers = pytest.importorskip("transformers")
+    bb = transformers.RTDetrResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+        out_features=["stage2", "stage3", "stage4"], layer_type="basic",
+        downsample_in_first_stage=False)
+    cfg = transformers.RTDetrConfig(
+        backbone_config=bb, encoder_in_channels=[32, 64, 128], decoder_in_channels=[32, 32, 32],
+        d_model=32, encoder_hidden_dim=32, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        encoder_attention_heads=4, decoder_attention_heads=4, decoder_layers=1, num_queries=10,
+        use_pretrained_backbone=False)
+    torch.manual_seed(0)
+    return transformers.RTDetrModel(cfg).to(device).eval()

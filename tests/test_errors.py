@@ -258,3 +258,51 @@ def test_cpu_only_build_names_the_missing_cuda_kernels():
     with pytest.raises(RuntimeError, match="no CUDA kernels.*FORCE_CUDA=1"):
         op.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA), value, shapes, start, loc, attn)
     assert msda.available_backends("cuda") == []
+
+
+@pytest.mark.parametrize("archs,cc,runs", [
+    ("8.0;8.6;8.9;9.0a;10.0;12.0+PTX", (8, 0), True),
+    ("8.0;8.6;8.9;9.0a;10.0;12.0+PTX", (8, 7), True),    # sm_86 SASS runs on 8.7
+    ("8.0;8.6;8.9;9.0a;10.0;12.0+PTX", (9, 0), True),
+    ("8.0;8.6;8.9;9.0a;10.0;12.0+PTX", (10, 3), True),   # sm_100 SASS on 10.3
+    ("8.0;8.6;8.9;9.0a;10.0;12.0+PTX", (12, 1), True),
+    ("8.0;8.6;8.9;9.0a;10.0;12.0+PTX", (13, 0), True),   # the PTX, compiled by the driver
+    ("8.0;8.6;8.9;9.0a;10.0;12.0+PTX", (7, 5), False),
+    ("9.0a", (9, 0), True),
+    ("9.0a", (10, 0), False),                            # an "a" target runs on 9.0 alone
+    ("9.0a", (8, 9), False),
+    ("8.0 8.9", (8, 6), True),                           # torch's list takes spaces too
+    ("", (9, 0), False),
+])
+def test_kernel_image_error_names_what_the_build_has_and_the_gpu_needs(archs, cc, runs):
+    """The error a GPU gets at its first call when the build has no kernel it
+    runs (ms_deform_attn asks the CUDA runtime; this is what it then says)."""
+    msg = torch.ops.ms_deform_attn._kernel_image_error(archs, cc[0], cc[1], "cuda:0 (Some GPU)")
+    if runs:
+        assert msg == ""
+    else:
+        assert f"no CUDA kernels for cuda:0 (Some GPU) (compute capability {cc[0]}.{cc[1]})" in msg
+        assert (f'TORCH_CUDA_ARCH_LIST="{archs}"' if archs else "no CUDA architecture") in msg
+        assert f"sm_{cc[0]}{cc[1]}" in msg
+
+
+def test_build_reports_its_architectures():
+    archs = msda.cuda_archs()
+    assert (archs != "") == msda.cuda_kernels_built()
+    if torch.cuda.is_available() and archs:
+        major, minor = torch.cuda.get_device_capability()
+        assert torch.ops.ms_deform_attn._kernel_image_error(archs, major, minor, "cuda:0") == ""
+
+
+def test_import_refuses_another_torch_release(monkeypatch):
+    """A build (or wheel) made against another torch release says so at
+    import, before the dynamic loader fails on a missing symbol."""
+    from ms_deform_attn import _build_info, _ops
+
+    monkeypatch.setattr(_build_info, "TORCH_VERSION", "1.13.1+cu117")
+    with pytest.raises(ImportError, match=r"built against torch 1\.13\.1\+cu117.*install torch==1\.13\.\*"):
+        _ops._check_torch()
+    monkeypatch.setattr(_build_info, "TORCH_VERSION", torch.__version__)
+    monkeypatch.setattr(_build_info, "CUDA_VERSION", "99.0")
+    with pytest.raises(ImportError, match=r"CUDA 99\.0"):
+        _ops._check_torch()

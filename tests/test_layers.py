@@ -11,7 +11,7 @@ from ms_deform_attn.compat import (MSDeformAttnFunction, MultiScaleDeformableAtt
 from ms_deform_attn.nn import MSDeformAttn
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 from ms_deform_attn.testing import level_tensors
-from helpers import TOL, device_backends, make_inputs, rel_err
+from helpers import TOL, device_backends, make_inputs, rel_err, tiny_deformable_detr, tiny_rt_detr
 
 LEVELS = [(12, 15), (6, 8), (3, 4)]
 
@@ -445,18 +445,6 @@ def test_compile_reduce_overhead_training_step(fused):
 
 
 # ---- Hugging Face transformers ---------------------------------------------------
-def tiny_deformable_detr(device):
-    transformers = pytest.importorskip("transformers")
-    bb = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
-                                   depths=[1, 1, 1, 1], out_features=["stage2", "stage3", "stage4"])
-    cfg = transformers.DeformableDetrConfig(
-        d_model=32, encoder_layers=1, decoder_layers=1, num_queries=10, encoder_ffn_dim=32,
-        decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
-        use_timm_backbone=False, backbone_config=bb, use_pretrained_backbone=False, backbone=None)
-    torch.manual_seed(0)
-    return transformers.DeformableDetrModel(cfg).to(device).eval()
-
-
 @pytest.mark.parametrize("device,backend", device_backends())
 def test_transformers_function_replacement(device, backend):
     pytest.importorskip("transformers")
@@ -469,21 +457,6 @@ def test_transformers_function_replacement(device, backend):
     expected = modeling_mask2former.multi_scale_deformable_attention(value, LEVELS, loc, attn)
     out = multi_scale_deformable_attention(value, LEVELS, loc, attn)
     assert rel_err(out, expected.double()) <= 1e-5
-
-
-def tiny_rt_detr(device):
-    transformers = pytest.importorskip("transformers")
-    bb = transformers.RTDetrResNetConfig(
-        embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
-        out_features=["stage2", "stage3", "stage4"], layer_type="basic",
-        downsample_in_first_stage=False)
-    cfg = transformers.RTDetrConfig(
-        backbone_config=bb, encoder_in_channels=[32, 64, 128], decoder_in_channels=[32, 32, 32],
-        d_model=32, encoder_hidden_dim=32, encoder_ffn_dim=32, decoder_ffn_dim=32,
-        encoder_attention_heads=4, decoder_attention_heads=4, decoder_layers=1, num_queries=10,
-        use_pretrained_backbone=False)
-    torch.manual_seed(0)
-    return transformers.RTDetrModel(cfg).to(device).eval()
 
 
 def tiny_grounding_dino(device):

@@ -133,6 +133,54 @@ def test_portable_export_of_the_layer(tmp_path):
         _close(_run(_session(path), inputs), layer(*inputs))
 
 
+class _Detector(torch.nn.Module):
+    """A transformers detector's last hidden states, as plain tensors."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        out = self.model(pixel_values=pixel_values)
+        return out.last_hidden_state, out.encoder_last_hidden_state
+
+
+def _outputs_close(session, detector, pixels):
+    feeds = {session.get_inputs()[0].name: pixels.numpy()}
+    with torch.no_grad():
+        expected = detector(pixels)
+    for got, ref in zip(session.run(None, feeds), expected):
+        got = torch.from_numpy(got)
+        assert got.shape == ref.shape
+        assert ((got.double() - ref.double()).norm() / ref.double().norm()).item() <= 1e-5
+
+
+@pytest.mark.slow
+def test_portable_export_of_a_whole_deformable_detr(tmp_path):
+    """transformers' DeformableDetrModel (small, random weights) with its
+    attention swapped for this operator, exported once with dynamic batch
+    and image size (symbolic_sizes keeps transformers' level sizes
+    symbolic), run by ONNX Runtime at two batch sizes and two image sizes."""
+    from helpers import tiny_deformable_detr
+
+    from ms_deform_attn.hf import swap_msda
+
+    model = tiny_deformable_detr("cpu")
+    assert swap_msda(model) == 2
+    detector = _Detector(model).eval()
+    Dim = torch.export.Dim
+    h, w = Dim("h", min=3, max=64), Dim("w", min=3, max=64)
+    path = tmp_path / "ddetr.onnx"
+    g = torch.Generator().manual_seed(0)
+    export_onnx(detector, (torch.randn(2, 3, 160, 192, generator=g),), str(path),
+                dynamic_shapes={"pixel_values": {0: Dim("batch", min=1, max=16), 2: 32 * h, 3: 32 * w}})
+    kinds = {n.op_type for n in onnx.load(str(path)).graph.node}
+    assert not kinds & {"GridSample", TRT_PLUGIN}
+    session = _session(path)
+    for shape in [(2, 3, 160, 192), (1, 3, 192, 128), (3, 3, 128, 224)]:
+        _outputs_close(session, detector, torch.randn(*shape, generator=g))
+
+
 def test_export_errors_name_what_and_why():
     class Plain(torch.nn.Module):
         def forward(self, x):

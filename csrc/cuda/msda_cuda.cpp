@@ -6,16 +6,42 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <array>
+#include <atomic>
+
+#include "../cuda_archs.h"
 #include "../fused.h"
 #include "../output.h"
 #include "../validation.h"
 #include "../overrides.h"
 #include "backward/backward.h"
 #include "forward/backends.h"
+#include "kernel_image.h"
 #include "launch.h"
 
 namespace msda {
 namespace {
+
+// Before the first launch on a device: an error naming the architectures
+// this build has and the one the device needs when it has no kernel the
+// device runs, instead of CUDA's "no kernel image" at the first launch.
+void require_kernel_image(c10::DeviceIndex device) {
+  static std::array<std::atomic<bool>, 64> checked{};
+  const bool cached = device >= 0 && device < static_cast<int>(checked.size());
+  if (cached && checked[device].load(std::memory_order_relaxed)) return;
+  const cudaError_t err = cuda::kernel_image_status();
+  if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
+    (void)cudaGetLastError();
+    const cudaDeviceProp& pr = *at::cuda::getDeviceProperties(device);
+    std::string msg = kernel_image_error(cuda_archs(), pr.major, pr.minor,
+                                         "cuda:" + std::to_string(device) + " (" + pr.name + ")");
+    TORCH_CHECK(false, msg.empty() ? "ms_deform_attn: the CUDA runtime finds no kernel image for "
+                                     "this device (" + std::string(cudaGetErrorString(err)) + ")"
+                                   : msg);
+  }
+  C10_CUDA_CHECK(err);
+  if (cached) checked[device].store(true, std::memory_order_relaxed);
+}
 
 // t, or a copy of it whose data is aligned to `align` bytes.
 at::Tensor aligned(at::Tensor t, int64_t align) {
@@ -64,6 +90,7 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
   Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                attention_weights, backend, spatial_shapes_list);
   const c10::cuda::CUDAGuard guard(value.device());
+  require_kernel_image(value.device().index());
   return launch_forward(in, cuda::backend_for(backend, in.pb, value.device().index()));
 }
 
@@ -115,6 +142,7 @@ at::Tensor fused_forward_cuda(const at::Tensor& value, const at::Tensor& spatial
   FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
                                   sampling_offsets, attention_logits, backend, spatial_shapes_list);
   const c10::cuda::CUDAGuard guard(value.device());
+  require_kernel_image(value.device().index());
   const cuda::CudaBackend& impl = cuda::backend_for(backend, f.in.pb, value.device().index());
   if (std::string(impl.name) != "baseline") return composite();
   return launch_forward(f.in, impl, f.ref.data_ptr<float>(), s.boxes ? 4 : 2);
@@ -140,6 +168,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                attention_weights);
   const c10::cuda::CUDAGuard guard(value.device());
+  require_kernel_image(value.device().index());
   auto grad_loc = new_output(in.loc.sizes(), in.loc.options());
   auto grad_attn = new_output(in.attn.sizes(), in.attn.options());
   at::Tensor gout;
@@ -172,6 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_cuda(
                                   sampling_offsets, attention_logits);
   Prepared& in = f.in;
   const c10::cuda::CUDAGuard guard(value.device());
+  require_kernel_image(value.device().index());
   const auto& pb = in.pb;
   at::Tensor gout;
   BackwardParams p = backward_params(in, grad_output, value, gout);
@@ -202,6 +232,7 @@ at::Tensor column_sum_cuda(const at::Tensor& grad) {
   at::Tensor out = at::empty({z.cols}, g.options());
   if (z.cols == 0) return out;
   const c10::cuda::CUDAGuard guard(g.device());
+  require_kernel_image(g.device().index());
   cuda::ColumnSumParams p;
   p.dtype = to_dtype(g.scalar_type());
   p.grad = g.data_ptr();

@@ -5,9 +5,74 @@
 #
 # Point CMAKE_PREFIX_PATH at `python -m ms_deform_attn --cmake-prefix-path`
 # (which also names the torch the library was built against: Torch is found
-# as a dependency). The imported target carries the public header
+# as a dependency, with the CUDA toolkit it needs located below). The imported target carries the public header
 # (ms_deform_attn/ms_deform_attn.h) and links LibTorch.
 include(CMakeFindDependencyMacro)
+
+# A CUDA build of torch makes find_package(Torch) look for the CUDA toolkit
+# (FindCUDA from the nvcc on the PATH, then libnvrtc). Where nvcc is a
+# wrapper script or the toolkit lacks libnvrtc (torch's CUDA wheels carry
+# it), that search fails; unless the caller set them, name the toolkit and
+# the libnvrtc found here, so that the plain find_package works.
+set(_msda_torch_root "")
+foreach(_msda_p IN LISTS Torch_DIR CMAKE_PREFIX_PATH)
+  if(NOT _msda_torch_root AND EXISTS "${_msda_p}/Torch/TorchConfig.cmake")
+    get_filename_component(_msda_torch_root "${_msda_p}/../.." ABSOLUTE)
+  elseif(NOT _msda_torch_root AND EXISTS "${_msda_p}/TorchConfig.cmake")
+    get_filename_component(_msda_torch_root "${_msda_p}/../../.." ABSOLUTE)
+  endif()
+endforeach()
+if(_msda_torch_root AND EXISTS "${_msda_torch_root}/lib/libtorch_cuda.so")
+  if(NOT DEFINED CUDA_TOOLKIT_ROOT_DIR AND NOT DEFINED CUDAToolkit_ROOT)
+    set(_msda_cuda "")
+    find_program(_msda_nvcc nvcc)
+    set(_msda_candidates "$ENV{CUDA_HOME}" "$ENV{CUDA_PATH}")
+    if(_msda_nvcc)
+      get_filename_component(_msda_nvcc_real "${_msda_nvcc}" REALPATH)
+      get_filename_component(_msda_nvcc_root "${_msda_nvcc_real}/../.." ABSOLUTE)
+      list(APPEND _msda_candidates "${_msda_nvcc_root}")
+      # A wrapper script's target: "exec /path/to/bin/nvcc ..."
+      file(STRINGS "${_msda_nvcc_real}" _msda_exec REGEX "^exec .*/bin/nvcc" LIMIT_COUNT 1 LIMIT_INPUT 4096)
+      if(_msda_exec MATCHES "^exec +([^ ]+)/bin/nvcc")
+        list(APPEND _msda_candidates "${CMAKE_MATCH_1}")
+      endif()
+    endif()
+    list(APPEND _msda_candidates "/usr/local/cuda")
+    foreach(_msda_c IN LISTS _msda_candidates)
+      if(NOT _msda_cuda AND _msda_c AND EXISTS "${_msda_c}/include/cuda_runtime_api.h"
+         AND EXISTS "${_msda_c}/bin/nvcc")
+        set(_msda_cuda "${_msda_c}")
+      endif()
+    endforeach()
+    if(NOT _msda_cuda)
+      message(FATAL_ERROR
+        "ms_deform_attn: the torch at ${_msda_torch_root} is a CUDA build, and find_package(Torch) "
+        "then needs the CUDA toolkit (nvcc and its headers), which was not found (CUDA_HOME, "
+        "CUDA_PATH, nvcc on the PATH, /usr/local/cuda). Install the toolkit matching "
+        "torch.version.cuda, or pass -DCUDAToolkit_ROOT=<its directory>.")
+    endif()
+    set(CUDA_TOOLKIT_ROOT_DIR "${_msda_cuda}")
+    set(CUDAToolkit_ROOT "${_msda_cuda}")
+    if(NOT DEFINED CMAKE_CUDA_COMPILER)
+      set(CMAKE_CUDA_COMPILER "${_msda_cuda}/bin/nvcc")
+    endif()
+  endif()
+  if(NOT DEFINED CUDA_nvrtc_LIBRARY)
+    set(_msda_root "${CUDAToolkit_ROOT}")
+    if(NOT _msda_root)
+      set(_msda_root "${CUDA_TOOLKIT_ROOT_DIR}")
+    endif()
+    file(GLOB _msda_nvrtc "${_msda_root}/lib64/libnvrtc.so" "${_msda_root}/lib/libnvrtc.so"
+                          "${_msda_root}/lib64/libnvrtc.so.*" "${_msda_root}/lib/libnvrtc.so.*"
+                          "${_msda_torch_root}/../nvidia/*/lib/libnvrtc.so.*"
+                          "${_msda_torch_root}/../nvidia/cuda_nvrtc/lib/libnvrtc.so.*")
+    list(FILTER _msda_nvrtc EXCLUDE REGEX "alt|builtins")
+    if(_msda_nvrtc)
+      list(GET _msda_nvrtc 0 _msda_nvrtc)
+      set(CUDA_nvrtc_LIBRARY "${_msda_nvrtc}" CACHE FILEPATH "libnvrtc for find_package(Torch)")
+    endif()
+  endif()
+endif()
 find_dependency(Torch)
 
 get_filename_component(_msda_prefix "${CMAKE_CURRENT_LIST_DIR}/../../.." ABSOLUTE)
