@@ -23,7 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "aoti"))
-from export_detector import Detector, small_deformable_detr  # noqa: E402
+from export_detector import swapped_detector  # noqa: E402
 
 
 def median_ms(call, runs: int, sync=lambda: None) -> float:
@@ -46,13 +46,13 @@ def main():
     ap.add_argument("--onnx", help="a portable export of the detector at this size (else exported here)")
     args = ap.parse_args()
     h, w = (int(v) for v in args.size.split("x"))
-    detector = Detector(small_deformable_detr()).eval()
+    detector = swapped_detector("cpu")
     pixels = torch.randn(1, 3, h, w, generator=torch.Generator().manual_seed(1))
     rows = []
     with torch.no_grad():
         rows.append(("eager PyTorch", "CPU", median_ms(lambda: detector(pixels), args.runs)))
         if torch.cuda.is_available():
-            on_gpu, gpu_pixels = Detector(small_deformable_detr()).eval().cuda(), pixels.cuda()
+            on_gpu, gpu_pixels = swapped_detector("cuda"), pixels.cuda()
             rows.append(("eager PyTorch", "CUDA", median_ms(lambda: on_gpu(gpu_pixels), args.runs,
                                                             torch.cuda.synchronize)))
     try:

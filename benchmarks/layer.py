@@ -289,20 +289,14 @@ def _stack_peak(mods, query, flat, ref, shapes, start, levels, grad, dname) -> i
 def full_size_deformable_detr(tiny: bool = False):
     import transformers
     if tiny:  # for the CPU smoke test
-        bb = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
-                                       depths=[1, 1, 1, 1],
-                                       out_features=["stage2", "stage3", "stage4"])
-        cfg = transformers.DeformableDetrConfig(
-            d_model=32, encoder_layers=1, decoder_layers=1, num_queries=10, encoder_ffn_dim=32,
-            decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
-            use_timm_backbone=False, backbone_config=bb, use_pretrained_backbone=False,
-            backbone=None)
-    else:  # Deformable DETR's defaults on a ResNet-50-shaped backbone
-        bb = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],
-                                       depths=[3, 4, 6, 3], layer_type="bottleneck",
-                                       out_features=["stage2", "stage3", "stage4"])
-        cfg = transformers.DeformableDetrConfig(use_timm_backbone=False, backbone_config=bb,
-                                                use_pretrained_backbone=False, backbone=None)
+        from ms_deform_attn.testing import small_deformable_detr
+        return small_deformable_detr().train()
+    # Deformable DETR's defaults on a ResNet-50-shaped backbone
+    bb = transformers.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],
+                                   depths=[3, 4, 6, 3], layer_type="bottleneck",
+                                   out_features=["stage2", "stage3", "stage4"])
+    cfg = transformers.DeformableDetrConfig(use_timm_backbone=False, backbone_config=bb,
+                                            use_pretrained_backbone=False, backbone=None)
     torch.manual_seed(0)
     return transformers.DeformableDetrModel(cfg)
 

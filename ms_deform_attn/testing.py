@@ -6,7 +6,9 @@ location generators (`uniform`, `encoder`, `decoder` from the spec;
 `smooth`, the project's trained-like field for the encoders, see
 smooth_offsets), and the bytes floor. Tests and benchmarks draw their inputs
 from here. "name@generator" gives a workload with another generator
-("ddetr_enc@smooth").
+("ddetr_enc@smooth"). Also the small transformers detector the deployment
+tests, example and benchmark share (small_deformable_detr, needs
+transformers).
 """
 from __future__ import annotations
 
@@ -234,3 +236,35 @@ def floor_bytes(wl: Workload, dtype: torch.dtype, loc_dtype: torch.dtype,
     if not backward:
         return fwd
     return fwd + 2 * (value + loc + attn) + out
+
+
+def small_deformable_detr(device="cpu") -> torch.nn.Module:
+    """transformers' DeformableDetrModel at a small size (d_model 32, one
+    encoder and one decoder layer, 4 heads, a ResNet-shaped backbone of 8-64
+    channels, 3 + 1 levels), random weights (seed 0), in eval mode. Its
+    attention is transformers' own: swap it with ms_deform_attn.hf.swap_msda."""
+    import transformers
+
+    backbone = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
+                                         depths=[1, 1, 1, 1],
+                                         out_features=["stage2", "stage3", "stage4"])
+    cfg = transformers.DeformableDetrConfig(
+        d_model=32, encoder_layers=1, decoder_layers=1, num_queries=10, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
+        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
+        backbone=None)
+    torch.manual_seed(0)
+    return transformers.DeformableDetrModel(cfg).to(device).eval()
+
+
+class DetectorOutputs(torch.nn.Module):
+    """pixel_values -> (the decoder's last hidden state, the encoder's):
+    plain tensors, as an exported program returns them."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        out = self.model(pixel_values=pixel_values)
+        return out.last_hidden_state, out.encoder_last_hidden_state

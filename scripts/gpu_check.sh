@@ -4,7 +4,8 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes, model,
-#                               profile, source, sass, cpp, cputhreads, layerk, paths)
+#                               profile, source, sass, cpp, cputhreads, layerk, paths,
+#                               wheel, deploy)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -138,6 +139,46 @@ for stage in $STAGES; do
         echo "--- source $i: $r"; grep -E "Duration|Executed Ipc|Issued Warp|No Eligible" "$OUT/source_${i}_details.txt" | head -8
         i=$((i + 1))
       done ;;
+    wheel)
+      # The wheel in dist/ (built on the development machine for this torch
+      # with FORCE_CUDA, carried here): installed into a fresh target folder
+      # (nothing is built here) and the suite run against it from outside the
+      # checkout (MSDA_EXPECT_INSTALLED=1 makes conftest check which one runs).
+      whl=$(ls dist/torch_msda-*.whl 2>/dev/null | head -1)
+      if [ -z "$whl" ]; then echo "WHEEL STAGE: no wheel in dist/"; status=1; continue; fi
+      rm -rf /tmp/msda-site /tmp/msda-tests && mkdir -p /tmp/msda-tests
+      if ! $PY -m pip install -q --no-deps --no-index --target /tmp/msda-site "$whl" > "$OUT/wheel_install.log" 2>&1; then
+        cat "$OUT/wheel_install.log"; echo "WHEEL INSTALL FAILED"; status=1; continue
+      fi
+      for dep in dist/deps/*.whl; do  # wheels carried for the deploy stage (onnxruntime)
+        [ -e "$dep" ] && $PY -m pip install -q --no-deps --no-index --target /tmp/msda-site "$dep" >> "$OUT/wheel_install.log" 2>&1
+      done
+      cp -r tests pyproject.toml /tmp/msda-tests/
+      ( cd /tmp/msda-tests && PYTHONPATH=/tmp/msda-site MSDA_EXPECT_INSTALLED=1 \
+          $PY -m pytest -q -ra -p no:cacheprovider tests --ignore=tests/test_huge.py ${PYTEST_ARGS:-} ) 2>&1 \
+        | tee "$OUT/wheel_tests.log" | tail -15
+      rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "WHEEL TESTS FAILED ($rc)"; status=1; } ;;
+    deploy)
+      # One image through the small detector of examples/aoti on every path
+      # that runs here: eager PyTorch and ONNX Runtime (benchmarks/deployment.py;
+      # DEPLOY_ONNX: an export made beside this torch elsewhere), and the
+      # AOTInductor packages for the CPU and CUDA run by the C++ program. Uses
+      # the wheel installed by stage wheel when there is one, else the build here.
+      size=${DEPLOY_SIZE:-512x512}
+      site=""; [ -d /tmp/msda-site ] && site=/tmp/msda-site
+      repo=$PWD
+      rm -rf /tmp/msda-deploy && mkdir -p /tmp/msda-deploy
+      ( cd /tmp/msda-deploy && export PYTHONPATH=${site:-$repo}
+        $PY -m pip list 2>/dev/null | grep -iE "^(onnx|onnxruntime|transformers) " || true
+        for dev in cpu cuda; do
+          $PY "$repo/examples/aoti/export_detector.py" --device $dev --size $size --out aoti-$dev || exit 1
+        done
+        cmake -S "$repo/examples/aoti" -B build -DCMAKE_PREFIX_PATH="$($PY -m ms_deform_attn --cmake-prefix-path)" > cmake.log 2>&1 \
+          && cmake --build build -j "$(nproc)" > build.log 2>&1 || { tail -30 cmake.log build.log; exit 1; }
+        for dev in cpu cuda; do ./build/aoti_detector aoti-$dev/model.pt2 aoti-$dev/io.pt 50 || exit 1; done
+        $PY "$repo/benchmarks/deployment.py" --size $size --runs 50 ${DEPLOY_ONNX:+--onnx "$repo/$DEPLOY_ONNX"}
+      ) 2>&1 | grep -v Warning | tee "$OUT/deploy.log" | tail -30
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "DEPLOY FAILED"; status=1; } ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;

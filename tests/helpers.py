@@ -229,15 +229,9 @@ def reference_gather(value, shapes, start, loc, attn):
 
 # ---- small transformers detectors (random weights) -------------------------
 def tiny_deformable_detr(device):
-    transformers = pytest.importorskip("transformers")
-    bb = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
-                                   depths=[1, 1, 1, 1], out_features=["stage2", "stage3", "stage4"])
-    cfg = transformers.DeformableDetrConfig(
-        d_model=32, encoder_layers=1, decoder_layers=1, num_queries=10, encoder_ffn_dim=32,
-        decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
-        use_timm_backbone=False, backbone_config=bb, use_pretrained_backbone=False, backbone=None)
-    torch.manual_seed(0)
-    return transformers.DeformableDetrModel(cfg).to(device).eval()
+    pytest.importorskip("transformers")
+    from ms_deform_attn.testing import small_deformable_detr
+    return small_deformable_detr(device)
 
 
 def tiny_rt_detr(device):

@@ -133,18 +133,6 @@ def test_portable_export_of_the_layer(tmp_path):
         _close(_run(_session(path), inputs), layer(*inputs))
 
 
-class _Detector(torch.nn.Module):
-    """A transformers detector's last hidden states, as plain tensors."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, pixel_values):
-        out = self.model(pixel_values=pixel_values)
-        return out.last_hidden_state, out.encoder_last_hidden_state
-
-
 def _outputs_close(session, detector, pixels):
     feeds = {session.get_inputs()[0].name: pixels.numpy()}
     with torch.no_grad():
@@ -164,10 +152,11 @@ def test_portable_export_of_a_whole_deformable_detr(tmp_path):
     from helpers import tiny_deformable_detr
 
     from ms_deform_attn.hf import swap_msda
+    from ms_deform_attn.testing import DetectorOutputs
 
     model = tiny_deformable_detr("cpu")
     assert swap_msda(model) == 2
-    detector = _Detector(model).eval()
+    detector = DetectorOutputs(model).eval()
     Dim = torch.export.Dim
     h, w = Dim("h", min=3, max=64), Dim("w", min=3, max=64)
     path = tmp_path / "ddetr.onnx"

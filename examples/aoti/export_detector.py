@@ -17,39 +17,16 @@ import time
 import torch
 
 
-def small_deformable_detr():
-    """Deformable DETR's architecture at a small size (d_model 32, one encoder
-    and one decoder layer, a ResNet-shaped backbone of 8-64 channels), random
-    weights, its attention layers on this operator (swap_msda)."""
-    import transformers
-
+def swapped_detector(device):
+    """The small DeformableDetrModel of ms_deform_attn.testing (Deformable
+    DETR's architecture at d_model 32, random weights) with its attention
+    layers on this operator, returning plain tensors."""
     from ms_deform_attn.hf import swap_msda
+    from ms_deform_attn.testing import DetectorOutputs, small_deformable_detr
 
-    backbone = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16, 32, 64],
-                                         depths=[1, 1, 1, 1],
-                                         out_features=["stage2", "stage3", "stage4"])
-    cfg = transformers.DeformableDetrConfig(
-        d_model=32, encoder_layers=1, decoder_layers=1, num_queries=10, encoder_ffn_dim=32,
-        decoder_ffn_dim=32, encoder_attention_heads=4, decoder_attention_heads=4,
-        use_timm_backbone=False, backbone_config=backbone, use_pretrained_backbone=False,
-        backbone=None)
-    torch.manual_seed(0)
-    model = transformers.DeformableDetrModel(cfg).eval()
+    model = small_deformable_detr(device)
     assert swap_msda(model) == 2  # one encoder and one decoder layer
-    return model
-
-
-class Detector(torch.nn.Module):
-    """pixel_values -> (decoder's last hidden state, encoder's last hidden state):
-    plain tensors, what an exported program returns."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, pixel_values):
-        out = self.model(pixel_values=pixel_values)
-        return out.last_hidden_state, out.encoder_last_hidden_state
+    return DetectorOutputs(model).eval()
 
 
 def main():
@@ -64,7 +41,7 @@ def main():
 
     import ms_deform_attn  # noqa: F401  (registers the operator)
 
-    detector = Detector(small_deformable_detr()).to(args.device)
+    detector = swapped_detector(args.device)
     pixels = torch.randn(args.batch, 3, h, w, generator=torch.Generator().manual_seed(1)).to(args.device)
     with torch.no_grad():
         expected = detector(pixels)
