@@ -84,15 +84,25 @@ if(NOT EXISTS "${_msda_library}")
   return()
 endif()
 
+# LibTorch's libraries as the program's own dependencies, found through its
+# run path: the library's run path reaches torch only where torch is
+# installed beside this package (site-packages), and a program's run path
+# does not serve its libraries' dependencies. libc10_cuda is one of the
+# library's that TORCH_LIBRARIES does not name.
+set(_msda_link "${TORCH_LIBRARIES}")
+if(EXISTS "${TORCH_INSTALL_PREFIX}/lib/libc10_cuda.so")
+  list(APPEND _msda_link "-Wl,--no-as-needed,${TORCH_INSTALL_PREFIX}/lib/libc10_cuda.so" "-Wl,--as-needed")
+endif()
 if(NOT TARGET ms_deform_attn::ms_deform_attn)
   add_library(ms_deform_attn::ms_deform_attn SHARED IMPORTED)
   set_target_properties(ms_deform_attn::ms_deform_attn PROPERTIES
     IMPORTED_LOCATION "${_msda_library}"
     IMPORTED_SONAME "libms_deform_attn.so"
     INTERFACE_INCLUDE_DIRECTORIES "${_msda_prefix}/include"
-    INTERFACE_LINK_LIBRARIES "${TORCH_LIBRARIES}"
+    INTERFACE_LINK_LIBRARIES "${_msda_link}"
     INTERFACE_COMPILE_OPTIONS "${TORCH_CXX_FLAGS}")
 endif()
 set(ms_deform_attn_LIBRARY "${_msda_library}")
 unset(_msda_library)
+unset(_msda_link)
 unset(_msda_prefix)
