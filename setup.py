@@ -152,8 +152,7 @@ def write_build_info(cuda: bool):
               f"#define MSDA_CUDA_ARCHS \"{archs}\"\n")
     info = ('"""Written by setup.py: what this build of ms_deform_attn was compiled against."""\n'
             f"TORCH_VERSION = {torch.__version__!r}\n"
-            f"CUDA_VERSION = {(torch.version.cuda if cuda else None)!r}\n"
-            f"CUDA_ARCHS = {archs!r}\n")
+            f"CUDA_VERSION = {(torch.version.cuda if cuda else None)!r}\n")
     for path, text in ((os.path.join(GENERATED, "ms_deform_attn_build.h"), header),
                        (os.path.join(ROOT, "ms_deform_attn", "_build_info.py"), info)):
         if not os.path.exists(path) or open(path).read() != text:  # keep ninja's timestamps

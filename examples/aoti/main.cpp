@@ -53,9 +53,9 @@ int main(int argc, char** argv) {
 
   torch::inductor::AOTIModelPackageLoader loader(argv[1]);
   const auto io = load_tensors(argv[2]);
-  const std::string device_name = loader.get_metadata().count("AOTI_DEVICE_KEY")
-                                      ? loader.get_metadata().at("AOTI_DEVICE_KEY")
-                                      : "cpu";
+  const auto metadata = loader.get_metadata();
+  const auto key = metadata.find("AOTI_DEVICE_KEY");
+  const std::string device_name = key != metadata.end() ? key->second : "cpu";
   const c10::Device device(device_name);
   std::vector<torch::Tensor> inputs = {io.at("pixel_values").toTensor().to(device)};
   const torch::NoGradGuard no_grad;

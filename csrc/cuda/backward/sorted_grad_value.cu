@@ -319,8 +319,11 @@ __global__ void __launch_bounds__(kThreads, kPixelsMinBlocksPerSm)
 // scaled back at the end; a round holding a weight that the scale would take
 // past fp16's range (|w| >= 8) is scaled by its own power of two instead,
 // multiplied into zeroed sums and added to the tile's at the tile's scale.
-constexpr int kTileRounds = 8;
-constexpr int kHalfWeightExp = 12;  // rounds a warp aims at before its tile is split
+constexpr int kTileRounds = 8;  // rounds a warp aims at before its tile is split
+constexpr int kHalfWeightExp = 12;
+// The smallest |w| that kHalfWeightExp would take to 2^15 or more (fp16's
+// largest finite number is 65504).
+constexpr float kHalfWeightLimit = float(1 << (15 - kHalfWeightExp));
 
 struct __align__(16) TileSmem {
   union {
@@ -504,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
         const float wmax = cur.run >= 0 ? fmaxf(fmaxf(fabsf(cur.w.x), fabsf(cur.w.y)),
                                                 fmaxf(fabsf(cur.w.z), fabsf(cur.w.w)))
                                         : 0.f;
-        if (kHalf && __any_sync(0xffffffffu, wmax >= 8.f)) {
+        if (kHalf && __any_sync(0xffffffffu, wmax >= kHalfWeightLimit)) {
           // 2^k with the round's largest weight times 2^k in [2^14, 2^15)
           // (k >= -114 for inf: its parts are inf and NaN, as with bf16).
           const int e = int((__reduce_max_sync(0xffffffffu, __float_as_uint(wmax)) >> 23) & 0xff) - 127;

@@ -5,8 +5,9 @@
 #
 # Point CMAKE_PREFIX_PATH at `python -m ms_deform_attn --cmake-prefix-path`
 # (which also names the torch the library was built against: Torch is found
-# as a dependency, with the CUDA toolkit it needs located below). The imported target carries the public header
-# (ms_deform_attn/ms_deform_attn.h) and links LibTorch.
+# as a dependency, with the CUDA toolkit it needs located below). The
+# imported target carries the public header (ms_deform_attn/ms_deform_attn.h)
+# and links LibTorch.
 include(CMakeFindDependencyMacro)
 
 # A CUDA build of torch makes find_package(Torch) look for the CUDA toolkit
@@ -64,8 +65,7 @@ if(_msda_torch_root AND EXISTS "${_msda_torch_root}/lib/libtorch_cuda.so")
     endif()
     file(GLOB _msda_nvrtc "${_msda_root}/lib64/libnvrtc.so" "${_msda_root}/lib/libnvrtc.so"
                           "${_msda_root}/lib64/libnvrtc.so.*" "${_msda_root}/lib/libnvrtc.so.*"
-                          "${_msda_torch_root}/../nvidia/*/lib/libnvrtc.so.*"
-                          "${_msda_torch_root}/../nvidia/cuda_nvrtc/lib/libnvrtc.so.*")
+                          "${_msda_torch_root}/../nvidia/*/lib/libnvrtc.so.*")
     list(FILTER _msda_nvrtc EXCLUDE REGEX "alt|builtins")
     if(_msda_nvrtc)
       list(GET _msda_nvrtc 0 _msda_nvrtc)
