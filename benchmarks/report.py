@@ -56,16 +56,33 @@ def _us(x) -> str:
 
 
 def comparison(result: Dict, backend: str) -> List[str]:
-    """Our figures beside the peers' on the same kind of device."""
+    """Our figures (`backend`, or "auto": the backend auto picked for each
+    workload and dtype) beside the peers' on the same kind of device; the
+    Triton peer's measured figures where the run has them, else quoted."""
     rows = result["rows"]
 
+    def impl(wl, dtype):
+        if backend != "auto":
+            return backend
+        r = next((r for r in rows if (r["workload"], r["dtype"]) == (wl, dtype)
+                  and r.get("auto_choice")), None)
+        return r["auto_choice"] if r else backend
+
     def ours(wl, dtype, pas, key="time_us"):
-        r = _row(rows, wl, dtype, backend, pas)
+        r = _row(rows, wl, dtype, impl(wl, dtype), pas)
         return r and r.get(key)
 
     def err(wl, dtype):
-        r = _row(rows, wl, dtype, backend, "fwd")
+        r = _row(rows, wl, dtype, impl(wl, dtype), "fwd")
         return "" if r is None else f"{r['rel_err']:.1e}"
+
+    def measured_triton(wl, dtype):
+        f, b = _row(rows, wl, dtype, "triton", "fwd"), _row(rows, wl, dtype, "triton", "fwdbwd")
+        if f is None:
+            return None
+        bwd = b.get("bwd_us") if b else None
+        text = f"**{_us(f['time_us'])}** / {_us(bwd)}" if bwd is not None else f"**{_us(f['time_us'])}**"
+        return text + (f" ({f['rel_err']:.2f})" if dtype != "fp32" else "")
 
     if "H100" in str(result["env"].get("device_name")):
         out = [
@@ -74,10 +91,11 @@ def comparison(result: Dict, backend: str) -> List[str]:
             "|---|---|---|---|---|---|---|---|",
         ]
         for wl, (of, ob, ff, fb, fe, tf, tb, t16f, t16b, t16e) in PEERS_H100.items():
-            if _row(rows, wl, "fp32", backend, "fwd") is None and _row(rows, wl, "bf16", backend, "fwd") is None:
+            if ours(wl, "fp32", "fwd") is None and ours(wl, "bf16", "fwd") is None:
                 continue
-            tri16 = f"{_us(t16f)} / {_us(t16b)} ({t16e})" if t16f is not None else "-"
-            tri32 = f"{_us(tf)} / {_us(tb)}" if tf is not None else "-"
+            tri16 = measured_triton(wl, "bf16") or (
+                f"{_us(t16f)} / {_us(t16b)} ({t16e})" if t16f is not None else "-")
+            tri32 = measured_triton(wl, "fp32") or (f"{_us(tf)} / {_us(tb)}" if tf is not None else "-")
             out.append(
                 f"| {wl} | {_us(ours(wl, 'fp32', 'fwd'))} / {_us(ours(wl, 'fp32', 'fwdbwd', 'bwd_us'))} | "
                 f"{tri32} | {_us(of)} / {_us(ob)} | "
@@ -93,7 +111,7 @@ def comparison(result: Dict, backend: str) -> List[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for wl, (gs, of, ob, ff, fb, fe) in PEERS_H200.items():
-        if _row(rows, wl, "fp32", backend, "fwd") is None and _row(rows, wl, "bf16", backend, "fwd") is None:
+        if ours(wl, "fp32", "fwd") is None and ours(wl, "bf16", "fwd") is None:
             continue
         out.append(
             f"| {wl} | {_us(ours(wl, 'fp32', 'fwd'))} | {of} | {_us(ours(wl, 'fp32', 'fwdbwd', 'bwd_us'))} | "
@@ -153,8 +171,9 @@ def auto_table(result: Dict, forward_backends: List[str]) -> List[str]:
 
 def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
     env = result["env"]
-    ours = sorted({r["impl"] for r in result["rows"]} - {"reference", "mmcv", "original"})
-    main_backend = "baseline" if "baseline" in ours else (ours[0] if ours else "cpu")
+    ours = sorted({r["impl"] for r in result["rows"]} - {"reference", "mmcv", "original", "triton"})
+    main_backend = "auto" if any(r.get("auto_choice") for r in result["rows"]) else (
+        "baseline" if "baseline" in ours else (ours[0] if ours else "cpu"))
     timer = env.get("timer", "graph")
     lines = [
         "# Benchmarks",
@@ -179,11 +198,17 @@ def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
         "",
         f"![time per backend per workload]({chart})",
         "",
-        f"## Against the peers (`{main_backend}` backend)",
+        f"## Against the peers (`{main_backend}`" + (": the backend auto picks for each row)"
+                                                      if main_backend == "auto" else " backend)"),
         "",
-        "Peer figures quoted from [docs/workloads.md](docs/workloads.md), measured on the same kind "
-        "of device in one process there (not re-run here: no peer is installed on the GPU "
-        "machine). Times in microseconds, forward / backward; errors against float64.",
+        ("Triton figures in **bold** were measured in this run, side by side (roulbac/msda-triton, "
+         "CUDA-graph replays; its 16-bit runs include the cast of locations and weights to "
+         "value's dtype, which it requires); other peer figures are quoted from "
+         "[docs/workloads.md](docs/workloads.md), measured on the same kind of device in one "
+         "process there. " if any(r["impl"] == "triton" for r in result["rows"]) else
+         "Peer figures quoted from [docs/workloads.md](docs/workloads.md), measured on the same "
+         "kind of device in one process there (not re-run here: no peer is installed on the GPU "
+         "machine). ") + "Times in microseconds, forward / backward; errors against float64.",
         "",
     ]
     lines += comparison(result, main_backend)

@@ -32,7 +32,7 @@ from ms_deform_attn import testing as W
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 
 from .report import auto_verdicts
-from .timing import (DETERMINISTIC, FP32_ONLY, PEERS, copy_bandwidth, implementations,
+from .timing import (DETERMINISTIC, FP32_ONLY, GRAPH_PEERS, PEERS, copy_bandwidth, implementations,
                      our_backends, time_cpu, time_cuda, time_torch_benchmark)
 
 DTYPES = {  # name -> (value dtype, location / weight dtype)
@@ -250,6 +250,7 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
                     t, method, reps = m.median * 1e6, "torch.utils.benchmark", m.number_per_run * len(m.times)
                 elif device == "cuda":
                     t, method, reps = time_cuda(step, n_sets, use_graph=(name in our_backends("cuda")
+                                                                      or name in GRAPH_PEERS
                                                                       or name == DETERMINISTIC),
                                                 target_ms=args.target_ms)
                 else:

@@ -64,7 +64,17 @@ def _peer_original():
     return _Fn.apply
 
 
-PEERS = {"mmcv": _peer_mmcv, "original": _peer_original}
+def _peer_triton():
+    # roulbac/msda-triton, when importable: it takes locations and weights in
+    # value's dtype, so 16-bit runs include their cast (a small kernel).
+    from msda_triton import multi_scale_deformable_attention as triton_msda
+
+    def fn(value, shapes, start, loc, attn):
+        return triton_msda(value, shapes, start, loc.to(value.dtype), attn.to(value.dtype))
+    return fn
+
+
+PEERS = {"mmcv": _peer_mmcv, "original": _peer_original, "triton": _peer_triton}
 
 
 def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callable], List[str]]:
@@ -89,6 +99,10 @@ def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callab
             notes.append(f"{name!r} skipped: not available on {device}")
     return impls, notes
 
+
+# Peers timed as CUDA-graph replays like ours (their launches capture; the
+# others read shapes on the host).
+GRAPH_PEERS = {"triton"}
 
 # Peers limited to fp32 (the original op) are given fp32 inputs only.
 FP32_ONLY = {"original"}

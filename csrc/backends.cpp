@@ -7,7 +7,7 @@
 namespace msda {
 
 const std::vector<std::string>& backend_names() {
-  static const std::vector<std::string> names = {"cpu", "tma", "cluster", "persistent", "baseline"};
+  static const std::vector<std::string> names = {"cpu", "tma", "cluster", "persistent", "blocked", "baseline"};
   return names;
 }
 

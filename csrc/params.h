@@ -43,7 +43,7 @@ struct ForwardParams {
   void* workspace = nullptr;               // zeroed scratch, as the backend asked for
   int64_t smem_budget = -1;                // shared-memory bytes a caching backend may use (-1: its default)
   const int64_t* host_shapes = nullptr;    // (L, 2) (H, W) in host memory when pb.host_shapes
-  // ms_deform_attn_fused (baseline only): with ref set, loc holds the
+  // ms_deform_attn_fused (baseline, blocked): with ref set, loc holds the
   // sampling offsets, attn the attention logits, and ref the reference
   // points (N, Lq, L, ref_dim) in float32, ref_dim 2 (points) or 4 (boxes).
   const float* ref = nullptr;

@@ -8,6 +8,7 @@
 #                               wheel, deploy)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
+#   SANITIZE_ARGS=""            arguments for tests/sanitize_suite.py (e.g. --backends blocked)
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
 #                               GPU machine has no git history)
 set -uo pipefail
@@ -87,7 +88,7 @@ for stage in $STAGES; do
       for tool in $tools; do
         extra=""; [ $tool = initcheck ] && extra="--check-api-memory-access no"
         ( compute-sanitizer --tool $tool $extra --error-exitcode 9 --print-limit 20 \
-            $PY tests/sanitize_suite.py > "$OUT/sanitize_$tool.txt" 2>&1
+            $PY tests/sanitize_suite.py ${SANITIZE_ARGS:-} > "$OUT/sanitize_$tool.txt" 2>&1
           echo $? > "$OUT/sanitize_$tool.rc" ) &
       done
       wait

@@ -41,6 +41,6 @@ def test_many_tiles_per_block():
 
 
 def test_auto_picks_an_available_backend_that_auto_may_pick():
-    # persistent is measured slower than baseline (BENCHMARKS.md): auto leaves it alone.
+    # persistent is measured slower than baseline and blocked (BENCHMARKS.md): auto leaves it alone.
     enc = make_inputs(1, 5000, 8, 32, SHAPES, 4, torch.bfloat16, torch.float32, device="cuda")
-    assert msda.select_backend(*enc) == "baseline"
+    assert msda.select_backend(*enc) in ("blocked", "baseline")

@@ -25,6 +25,8 @@ inline int pick_vec(int64_t D, int64_t elem_size, int want, std::initializer_lis
 
 // Forward backends.
 cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream);
+// Needs S < 2^31 (pixel indices of the whole map in 32 bits) and N M Lq < 2^31.
+cudaError_t blocked_forward(const ForwardParams& p, cudaStream_t stream);
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream);
 int64_t persistent_workspace_bytes(const Problem& pb);  // its zeroed tile counters
 cudaError_t cluster_forward(const ForwardParams& p, cudaStream_t stream);  // sm_90+

@@ -52,7 +52,7 @@ at::Tensor aligned(at::Tensor t, int64_t align) {
 at::Tensor aligned_pairs(at::Tensor t) { return aligned(t, 2 * t.element_size()); }
 
 // Allocates the output and launches `impl`'s forward on the prepared
-// inputs; with `ref` set (ms_deform_attn_fused, baseline only) loc and attn
+// inputs; with `ref` set (ms_deform_attn_fused, a backend with fused_points) loc and attn
 // hold offsets and logits and ref the float32 reference points.
 at::Tensor launch_forward(Prepared& in, const cuda::CudaBackend& impl, const float* ref = nullptr,
                           int ref_dim = 0) {
@@ -121,9 +121,10 @@ FusedPrepared prepare_fused(const FusedSizes& s, const at::Tensor& value,
           reference_points.to(at::kFloat).contiguous()};
 }
 
-// ms_deform_attn_fused on CUDA: the baseline kernel forms the locations and
-// the softmax itself (nothing of size N x Lq x M x L x P is made); other
-// backends and fp64 values take the composite (fused.cpp).
+// ms_deform_attn_fused on CUDA: the baseline and blocked kernels form the
+// locations and the softmax themselves (nothing of size N x Lq x M x L x P
+// is made; CudaBackend::fused_points); other backends and fp64 values take
+// the composite (fused.cpp).
 at::Tensor fused_forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
                               const at::Tensor& level_start_index,
                               const at::Tensor& reference_points,
@@ -144,7 +145,7 @@ at::Tensor fused_forward_cuda(const at::Tensor& value, const at::Tensor& spatial
   const c10::cuda::CUDAGuard guard(value.device());
   require_kernel_image(value.device().index());
   const cuda::CudaBackend& impl = cuda::backend_for(backend, f.in.pb, value.device().index());
-  if (std::string(impl.name) != "baseline") return composite();
+  if (!impl.fused_points) return composite();
   return launch_forward(f.in, impl, f.ref.data_ptr<float>(), s.boxes ? 4 : 2);
 }
 

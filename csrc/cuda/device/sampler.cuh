@@ -276,6 +276,41 @@ __device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, 
   }
 }
 
+// The same for a whole row at once (the `blocked` forward): lane j resolves
+// point i0 + j of the row's L * P points, across levels, so that no lane
+// idles where P < lanes; corners are numbered by their pixel in the whole
+// map (level start + row-major pixel; S < 2^31). `valid` false for a group
+// that stands in only so that its warp syncs whole (no loads, nothing read
+// from its slots).
+template <typename Points, typename A, int VEC, typename Fetch>
+__device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, const Level* levels,
+                                           const Points& pts, bool valid, bool active,
+                                           CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch) {
+  const int LP = L * P;
+  for (int i0 = 0; i0 < LP; i0 += g.lanes) {
+    const int i = i0 + g.lane;
+    if (valid && i < LP) {
+      const int l = i / P;
+      const Level lv = levels[l];
+      const int start = static_cast<int>(lv.start);
+      A x, y, w;
+      pts.load(lv, l, i, x, y, w);
+      slots.put(g.slot(g.lane),
+                resolve_sample(x, y, lv.weight(w), lv.H, lv.W,
+                               [&](int row, int col) { return start + row * lv.W + col; }));
+    }
+    __syncwarp();
+    if (valid && active) {
+      const int count = min(g.lanes, LP - i0);
+      for (int j = 0; j < count; ++j) {
+        const Corners<A> s = slots.get(g.slot(j));
+        if (s.pix[0] != kNoSample) gather_corners(acc, s, fetch);
+      }
+    }
+    __syncwarp();  // slots are rewritten by the next points
+  }
+}
+
 // One (query, head) row of the output: the sum over levels and points of
 // `pts`, over this lane's channel slices (gather_level for each level). All
 // `lanes` threads of the group call it. with_fetch(l, c, body) calls

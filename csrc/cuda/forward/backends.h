@@ -27,6 +27,9 @@ struct CudaBackend {
   int64_t (*workspace)(const Problem&);
   cudaError_t (*forward)(const ForwardParams&, cudaStream_t);
   int64_t value_align;
+  // Forms ms_deform_attn_fused's locations and softmax itself (ForwardParams::ref);
+  // the fused operator takes its composite on the others.
+  bool fused_points = false;
 };
 
 // "auto" resolved (the environment variable MS_DEFORM_ATTN_BACKEND, when set
