@@ -117,17 +117,33 @@ def _has_symbolic(data) -> bool:
     return isinstance(data, (torch.SymInt, torch.SymFloat))
 
 
+def _transformers_torch_int_users():
+    """The loaded transformers modules holding transformers' `torch_int`
+    (each modeling module imports it by name), with that function."""
+    import sys
+
+    generic = sys.modules.get("transformers.utils.generic")
+    original = getattr(generic, "torch_int", None)
+    if original is None:
+        return [], None
+    users = [m for name, m in list(sys.modules.items())
+             if name.startswith("transformers.") and getattr(m, "torch_int", None) is original]
+    return users, original
+
+
 @contextlib.contextmanager
 def symbolic_sizes():
-    """While active, two torch functions that detection models call on
-    feature-map sizes keep those sizes symbolic under torch.export instead of
-    making them constants (which would fix the image size of the exported
-    program): `torch.as_tensor` of a nested list holding symbolic ints (how
-    transformers builds `spatial_shapes` from `spatial_shapes_list`) and
-    `torch.linspace` with a symbolic step count (its reference-point grids).
-    Both give the same values as the functions they stand in for; other
-    calls go to the functions themselves. export_onnx applies it when given
-    `dynamic_shapes`; wrap torch.export.export in it for AOTInductor."""
+    """While active, the calls that detection models make on feature-map
+    sizes keep those sizes symbolic under torch.export instead of making them
+    constants (which would fix the image size of the exported program):
+    `torch.as_tensor` of a nested list holding symbolic ints (how
+    transformers builds `spatial_shapes` from `spatial_shapes_list`),
+    `torch.linspace` with a symbolic step count (its reference-point grids),
+    and transformers' `torch_int`, which makes a size a Python int outside
+    torch.jit tracing (RT-DETR's position embeddings and anchors). Each gives
+    the same values as the function it stands in for; other calls go to the
+    functions themselves. export_onnx applies it when given `dynamic_shapes`;
+    wrap torch.export.export in it for AOTInductor."""
     as_tensor, linspace = torch.as_tensor, torch.linspace
 
     def symbolic_as_tensor(data, dtype=None, device=None):
@@ -147,11 +163,20 @@ def symbolic_sizes():
         index = torch.arange(steps, dtype=dtype, device=device)
         return start + index * ((end - start) / torch.sym_max(steps - 1, 1))
 
+    users, torch_int = _transformers_torch_int_users()
+
+    def symbolic_torch_int(x):
+        return x if isinstance(x, torch.SymInt) else torch_int(x)
+
     torch.as_tensor, torch.linspace = symbolic_as_tensor, symbolic_linspace
+    for module in users:
+        module.torch_int = symbolic_torch_int
     try:
         yield
     finally:
         torch.as_tensor, torch.linspace = as_tensor, linspace
+        for module in users:
+            module.torch_int = torch_int
 
 
 def _our_nodes(program):

@@ -259,7 +259,8 @@ def small_deformable_detr(device="cpu") -> torch.nn.Module:
 
 class DetectorOutputs(torch.nn.Module):
     """pixel_values -> (the decoder's last hidden state, the encoder's):
-    plain tensors, as an exported program returns them."""
+    plain tensors, as an exported program returns them (RT-DETR's encoder
+    gives one a level: they follow in order)."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
@@ -267,4 +268,5 @@ class DetectorOutputs(torch.nn.Module):
 
     def forward(self, pixel_values):
         out = self.model(pixel_values=pixel_values)
-        return out.last_hidden_state, out.encoder_last_hidden_state
+        enc = out.encoder_last_hidden_state
+        return (out.last_hidden_state, *(enc if isinstance(enc, (list, tuple)) else (enc,)))

@@ -183,3 +183,31 @@ def test_export_errors_name_what_and_why():
     bf16 = (inputs[0].bfloat16(),) + inputs[1:]
     with pytest.raises(ValueError, match="float32 or float16, but the operator's value is torch.bfloat16"):
         export_onnx(Head(), bf16, target="tensorrt")
+
+
+@pytest.mark.slow
+def test_portable_export_of_a_whole_rt_detr(tmp_path):
+    """transformers' RTDetrModel (small, random weights) with its attention
+    swapped for this operator, exported with dynamic image size at two batch
+    sizes (its own `len(source_flatten)` fixes the batch of an export), run
+    by ONNX Runtime at two image sizes each."""
+    from helpers import tiny_rt_detr
+
+    from ms_deform_attn.hf import swap_msda
+    from ms_deform_attn.testing import DetectorOutputs
+
+    model = tiny_rt_detr("cpu")
+    assert swap_msda(model) == 1  # decoder_layers=1
+    detector = DetectorOutputs(model).eval()
+    Dim = torch.export.Dim
+    g = torch.Generator().manual_seed(0)
+    for batch in (2, 1):
+        h, w = Dim("h", min=3, max=64), Dim("w", min=3, max=64)
+        path = tmp_path / f"rtdetr_{batch}.onnx"
+        export_onnx(detector, (torch.randn(batch, 3, 160, 192, generator=g),), str(path),
+                    dynamic_shapes={"pixel_values": {2: 32 * h, 3: 32 * w}})
+        kinds = {n.op_type for n in onnx.load(str(path)).graph.node}
+        assert not kinds & {"GridSample", TRT_PLUGIN}
+        session = _session(path)
+        for hw in [(160, 192), (128, 224)]:
+            _outputs_close(session, detector, torch.randn(batch, 3, *hw, generator=g))
