@@ -11,8 +11,8 @@
 namespace msda::cuda {
 namespace {
 
-// Block sizes the launcher picks from (threads); the slots are sized for
-// the largest.
+// The smallest block the launcher halves down to (threads); the kernel's
+// slots are sized for the largest, kThreads.
 constexpr int kMinBlockThreads = 64;
 
 template <typename T, typename LT, int VEC, bool kFused>
