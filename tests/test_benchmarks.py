@@ -157,3 +157,23 @@ def test_saved_bytes_leaves_no_graph_alive(impl):
         del node
     step()
     assert fired == []
+
+
+def test_peer_table_follows_auto_and_shows_measured_triton():
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks.report import comparison
+
+    def row(impl, dtype, t, auto, err=1e-6):
+        return {"workload": "ddetr_enc", "dtype": dtype, "impl": impl, "pass_": "fwd",
+                "time_us": t, "rel_err": err, "auto_choice": auto}
+
+    rows = [row("baseline", "fp32", 251.0, "blocked"), row("blocked", "fp32", 210.0, "blocked"),
+            row("triton", "fp32", 196.0, "blocked"), row("baseline", "bf16", 157.0, "baseline"),
+            row("blocked", "bf16", 161.0, "baseline"), row("triton", "bf16", 248.0, "baseline", 0.16)]
+    out = comparison({"rows": rows, "env": {"device_name": "NVIDIA H100 80GB HBM3"}}, "auto")
+    line = next(line for line in out if line.startswith("| ddetr_enc |"))
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    assert cells[1].startswith("210 /")        # fp32: auto's choice, blocked
+    assert cells[2] == "**196**"                # the Triton peer measured in the run
+    assert cells[4].startswith("157 /")        # bf16: auto's choice, baseline
+    assert cells[5] == "**248** (0.16)"
