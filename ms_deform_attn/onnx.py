@@ -26,6 +26,7 @@ to run the result).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Dict
 
 import torch
@@ -120,8 +121,6 @@ def _has_symbolic(data) -> bool:
 def _transformers_torch_int_users():
     """The loaded transformers modules holding transformers' `torch_int`
     (each modeling module imports it by name), with that function."""
-    import sys
-
     generic = sys.modules.get("transformers.utils.generic")
     original = getattr(generic, "torch_int", None)
     if original is None:

@@ -245,6 +245,19 @@ __device__ __forceinline__ void row_softmax(const LT* logits, int count, const L
   inv_sum = 1.f / sum;
 }
 
+// The group gathers the `count` samples its lanes put in their slots, one
+// after the other: each sample's corners read from its slot (a broadcast),
+// its values through fetch(pix, v); a sample that reads nothing is skipped.
+template <typename A, int VEC, typename Fetch>
+__device__ __forceinline__ void gather_slots(const GroupLanes& g, int count,
+                                             const CornerSlots<A>& slots, A (&acc)[VEC],
+                                             Fetch&& fetch) {
+  for (int i = 0; i < count; ++i) {
+    const Corners<A> s = slots.get(g.slot(i));
+    if (s.pix[0] != kNoSample) gather_corners(acc, s, fetch);
+  }
+}
+
 // The P points of level l of one (query, head) row, added into acc (this
 // lane's channel slice; `active` false for lanes past D, which still resolve
 // points). Lane j resolves point p0 + j (taken from `pts`, RowPoints or
@@ -266,12 +279,7 @@ __device__ __forceinline__ void gather_level(const GroupLanes& g, int P, int l, 
     }
     __syncwarp(g.mask);
     const int count = min(g.lanes, P - p0);
-    if (active) {
-      for (int i = 0; i < count; ++i) {
-        const Corners<A> s = slots.get(g.slot(i));
-        if (s.pix[0] != kNoSample) gather_corners(acc, s, fetch);
-      }
-    }
+    if (active) gather_slots(g, count, slots, acc, fetch);
     __syncwarp(g.mask);  // slots are rewritten by the next points
   }
 }
@@ -300,13 +308,7 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
                                [&](int row, int col) { return start + row * lv.W + col; }));
     }
     __syncwarp();
-    if (valid && active) {
-      const int count = min(g.lanes, LP - i0);
-      for (int j = 0; j < count; ++j) {
-        const Corners<A> s = slots.get(g.slot(j));
-        if (s.pix[0] != kNoSample) gather_corners(acc, s, fetch);
-      }
-    }
+    if (valid && active) gather_slots(g, min(g.lanes, LP - i0), slots, acc, fetch);
     __syncwarp();  // slots are rewritten by the next points
   }
 }

@@ -53,11 +53,12 @@ std::string tma_problem(const Problem& pb, const cudaDeviceProp&) {
 
 std::string blocked_problem(const Problem& pb, const cudaDeviceProp&) {
   std::ostringstream os;
+  const int64_t rows = pb.N * pb.M * pb.Lq;
   if (pb.S > INT32_MAX) {
     os << "needs S (the pixels of all levels) below 2^31, got " << pb.S;
-  } else if (pb.N * pb.M * pb.Lq > INT32_MAX) {
+  } else if (rows > INT32_MAX) {
     os << "needs N * M * Lq below 2^31 (one block per (batch, head) and run of queries), got "
-       << pb.N * pb.M * pb.Lq;
+       << rows;
   }
   return os.str();
 }
