@@ -180,14 +180,14 @@ struct GroupLanes {
   }
 };
 
-__device__ __forceinline__ GroupLanes group_lanes(int lane, int lanes, int rounds = 1) {
+__device__ __forceinline__ GroupLanes group_lanes(int lane, int lanes) {
   const unsigned first = threadIdx.x - lane;  // the group's first thread
   GroupLanes g;
   g.lane = lane;
   g.lanes = lanes;
   g.mask = (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (first & 31u);
   g.groups = 32 / lanes;
-  g.warp_base = static_cast<int>(threadIdx.x & ~31u) * rounds;
+  g.warp_base = static_cast<int>(threadIdx.x & ~31u);
   g.group = static_cast<int>(first & 31u) / lanes;
   g.rot_shift = lanes <= 4 ? 0 : lanes == 8 ? 1 : 2;
   g.rot_mul = lanes <= 4 ? 8 / lanes : lanes <= 16 ? 1 : 0;
@@ -313,88 +313,61 @@ __device__ __forceinline__ void add_corners(A (&acc)[VEC], const Corners<A>& c,
   }
 }
 
-// gather_slots with the next samples' slots read and loads issued before the
-// current sample's sums: Depth 1 keeps one sample's loads in flight across
-// the slot read, Depth 2 two samples' loads. Same sums in the same order as
-// gather_slots.
-template <typename T, int Depth, typename A, int VEC, typename Fetch>
+// gather_slots, software-pipelined: the next sample's slot is read and its
+// loads issued right after the current sample's sums, with no branch in
+// between, so the slot read and the address arithmetic wait under the loads
+// in flight. Same sums in the same order as gather_slots. (Two samples'
+// loads in flight spill at 64 registers and measured slower:
+// docs/performance.md.)
+template <typename T, typename A, int VEC, typename Fetch>
 __device__ __forceinline__ void gather_slots_pipelined(const GroupLanes& g, int count,
                                                        const CornerSlots<A>& slots, A (&acc)[VEC],
                                                        Fetch&& fetch) {
-  using R = RawCorner<T, VEC>;
-  Corners<A> c0 = slots.get(g.slot(0));
-  R v0[4];
-  fetch_corners<T, VEC>(c0, v0, fetch);
-  if constexpr (Depth == 1) {
-    for (int i = 1; i < count; ++i) {
-      const Corners<A> next = slots.get(g.slot(i));
-      add_corners<T, VEC>(acc, c0, v0);
-      fetch_corners<T, VEC>(next, v0, fetch);
-      c0 = next;
-    }
-    add_corners<T, VEC>(acc, c0, v0);
-  } else {
-    R v1[4];
-    int i = 1;
-    for (; i + 1 < count; i += 2) {
-      const Corners<A> c1 = slots.get(g.slot(i));
-      fetch_corners<T, VEC>(c1, v1, fetch);
-      add_corners<T, VEC>(acc, c0, v0);
-      c0 = slots.get(g.slot(i + 1));
-      fetch_corners<T, VEC>(c0, v0, fetch);
-      add_corners<T, VEC>(acc, c1, v1);
-    }
-    if (i < count) {
-      const Corners<A> c1 = slots.get(g.slot(i));
-      fetch_corners<T, VEC>(c1, v1, fetch);
-      add_corners<T, VEC>(acc, c0, v0);
-      add_corners<T, VEC>(acc, c1, v1);
-    } else {
-      add_corners<T, VEC>(acc, c0, v0);
-    }
+  Corners<A> cur = slots.get(g.slot(0));
+  RawCorner<T, VEC> v[4];
+  fetch_corners<T, VEC>(cur, v, fetch);
+  for (int i = 1; i < count; ++i) {
+    const Corners<A> next = slots.get(g.slot(i));
+    add_corners<T, VEC>(acc, cur, v);
+    fetch_corners<T, VEC>(next, v, fetch);
+    cur = next;
   }
+  add_corners<T, VEC>(acc, cur, v);
 }
 
 // The same for a whole row at once (the `blocked` forward): lane j resolves
-// points i0 + j, i0 + j + lanes, ... of a chunk of the row's L * P points
-// (Rounds * lanes of them, across levels), so that no lane idles where P <
-// lanes; corners are numbered by their pixel in the whole map (level start
-// + row-major pixel; S < 2^31). The group's slots hold Rounds * lanes
-// samples (group_lanes(lane, lanes, Rounds), CornerSlots of Rounds * threads).
-// `valid` false for a group that stands in only so that its warp syncs
-// whole (no loads, nothing read from its slots). fetch(pix): see
-// fetch_corners (Depth > 0) or gather_corners (Depth 0).
-template <typename T, int Depth, int Rounds, typename Points, typename A, int VEC, typename Fetch>
+// point i0 + j of the row's L * P points, across levels, so that no lane
+// idles where P < lanes; corners are numbered by their pixel in the whole
+// map (level start + row-major pixel; S < 2^31). `valid` false for a group
+// that stands in only so that its warp syncs whole (no loads, nothing read
+// from its slots). fetch(pix) returns pixel pix's raw vector (fetch_corners).
+// kPipelined: gather_slots_pipelined, else gather_slots (the fused form,
+// whose point set-up leaves no registers for the pipeline).
+template <typename T, bool kPipelined, typename Points, typename A, int VEC, typename Fetch>
 __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, const Level* levels,
                                            const Points& pts, bool valid, bool active,
                                            CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch) {
   const int LP = L * P;
-  const int chunk = Rounds * g.lanes;
-  for (int i0 = 0; i0 < LP; i0 += chunk) {
-    const int count = min(chunk, LP - i0);
-    if (valid) {
-#pragma unroll
-      for (int r = 0; r < Rounds; ++r) {
-        const int j = r * g.lanes + g.lane;
-        if (j < count) {
-          const int i = i0 + j;
-          const int l = i / P;
-          const Level lv = levels[l];
-          const int start = static_cast<int>(lv.start);
-          A x, y, w;
-          pts.load(lv, l, i, x, y, w);
-          slots.put(g.slot(j),
-                    resolve_sample(x, y, lv.weight(w), lv.H, lv.W,
-                                   [&](int row, int col) { return start + row * lv.W + col; }));
-        }
-      }
+  for (int i0 = 0; i0 < LP; i0 += g.lanes) {
+    const int i = i0 + g.lane;
+    if (valid && i < LP) {
+      const int l = i / P;
+      const Level lv = levels[l];
+      const int start = static_cast<int>(lv.start);
+      A x, y, w;
+      pts.load(lv, l, i, x, y, w);
+      slots.put(g.slot(g.lane),
+                resolve_sample(x, y, lv.weight(w), lv.H, lv.W,
+                               [&](int row, int col) { return start + row * lv.W + col; }));
     }
     __syncwarp();
+    const int count = min(g.lanes, LP - i0);
     if (valid && active) {
-      if constexpr (Depth == 0) {
-        gather_slots(g, count, slots, acc, [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
+      if constexpr (kPipelined) {
+        gather_slots_pipelined<T>(g, count, slots, acc, fetch);
       } else {
-        gather_slots_pipelined<T, Depth>(g, count, slots, acc, fetch);
+        gather_slots(g, count, slots, acc,
+                     [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
       }
     }
     __syncwarp();  // slots are rewritten by the next points

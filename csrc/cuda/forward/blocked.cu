@@ -7,7 +7,6 @@
 // the locations and the softmax from the offsets and logits.
 #include "../device/sampler.cuh"
 #include "../launch.h"
-#include <cstdlib>
 
 namespace msda::cuda {
 namespace {
@@ -16,14 +15,14 @@ namespace {
 // slots are sized for the largest, kThreads.
 constexpr int kMinBlockThreads = 64;
 
-template <typename T, typename LT, int VEC, bool kFused, int Depth, int Rounds>
+template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
 __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     blocked_forward_kernel(const ForwardParams p, const int lanes, const int64_t qblocks) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
-  __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads * Rounds];
+  __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads];
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
 
@@ -44,8 +43,8 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   const T* vbase = static_cast<const T*>(p.value) + value_row(pb, n, 0, m) * pb.D;
   const auto [loc, attn] = query_row<LT>(p, group);
   T* out = static_cast<T*>(p.out) + group * pb.D;
-  const CornerSlots<A> slots(slot_mem, kThreads * Rounds);
-  const GroupLanes g = group_lanes(lane, lanes, Rounds);
+  const CornerSlots<A> slots(slot_mem, kThreads);
+  const GroupLanes g = group_lanes(lane, lanes);
 
   auto row = [&](const auto& pts) {
     const int64_t step = int64_t(lanes) * VEC;
@@ -56,10 +55,9 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
       A acc[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-      gather_row<T, Depth, Rounds>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc,
-                 [&](int pix) {
-                   return __ldg(reinterpret_cast<const RawCorner<T, VEC>*>(pixel_ptr(vc, pix, stride_bytes)));
-                 });
+      gather_row<T, !kFused>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc, [&](int pix) {
+        return __ldg(reinterpret_cast<const RawCorner<T, VEC>*>(pixel_ptr(vc, pix, stride_bytes)));
+      });
       if (valid && active) store_vec<T, VEC>(out + c, acc);
     }
   };
@@ -70,25 +68,6 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     row(FusedPoints<LT>{loc, attn, ref, p.ref_dim, 0.5f / float(pb.P), max, inv_sum});
   } else {
     row(RowPoints<LT>{loc, attn});
-  }
-}
-
-// PROTOTYPE: the gather's pipeline depth from MSDA_PROTO_DEPTH (0, 1, 2).
-inline int proto_depth() {
-  const char* e = std::getenv("MSDA_PROTO_DEPTH");
-  return e ? std::atoi(e) : 0;
-}
-
-template <typename T, typename LT, int VEC, bool F>
-void proto_launch(unsigned blocks, int threads, cudaStream_t stream, const ForwardParams& p, int lanes, int64_t qblocks) {
-  switch (proto_depth()) {
-    case 1: blocked_forward_kernel<T, LT, VEC, F, 1, 1><<<blocks, threads, 0, stream>>>(p, lanes, qblocks); break;
-    case 2: blocked_forward_kernel<T, LT, VEC, F, 2, 1><<<blocks, threads, 0, stream>>>(p, lanes, qblocks); break;
-    case 12: blocked_forward_kernel<T, LT, VEC, F, 1, 2><<<blocks, threads, 0, stream>>>(p, lanes, qblocks); break;
-    case 14: blocked_forward_kernel<T, LT, VEC, F, 1, 4><<<blocks, threads, 0, stream>>>(p, lanes, qblocks); break;
-    case 22: blocked_forward_kernel<T, LT, VEC, F, 2, 2><<<blocks, threads, 0, stream>>>(p, lanes, qblocks); break;
-    case 24: blocked_forward_kernel<T, LT, VEC, F, 2, 4><<<blocks, threads, 0, stream>>>(p, lanes, qblocks); break;
-    default: blocked_forward_kernel<T, LT, VEC, F, 0, 1><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
   }
 }
 
@@ -116,12 +95,12 @@ struct Launch {
     if (p.ref != nullptr) {
       // The fused operator sends no fp64 values here (fused_forward_cuda).
       if constexpr (std::is_same_v<acc_t<T>, float>) {
-        proto_launch<T, LT, VEC, true>(blocks, threads, stream, p, lanes, qblocks);
+        blocked_forward_kernel<T, LT, VEC, true><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
     }
-    proto_launch<T, LT, VEC, false>(blocks, threads, stream, p, lanes, qblocks);
+    blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
     return cudaGetLastError();
   }
 };
