@@ -46,6 +46,7 @@ def main():
     ap.add_argument("--onnx", help="a portable export of the detector at this size (else exported here)")
     args = ap.parse_args()
     h, w = (int(v) for v in args.size.split("x"))
+    torch.backends.cudnn.allow_tf32 = False  # fp32 convolutions, as examples/aoti checks them
     detector = swapped_detector("cpu")
     pixels = torch.randn(1, 3, h, w, generator=torch.Generator().manual_seed(1))
     rows = []

@@ -165,19 +165,22 @@ for stage in $STAGES; do
       # DEPLOY_ONNX: an export made beside this torch elsewhere), and the
       # AOTInductor packages for the CPU and CUDA run by the C++ program. Uses
       # the wheel installed by stage wheel when there is one, else the build here.
+      # DEPLOY_DEVICES: the AOTInductor packages to build and run (cpu cuda).
       size=${DEPLOY_SIZE:-512x512}
       site=""; [ -d /tmp/msda-site ] && site=/tmp/msda-site
       repo=$PWD
       rm -rf /tmp/msda-deploy && mkdir -p /tmp/msda-deploy
       ( cd /tmp/msda-deploy && export PYTHONPATH=${site:-$repo}
         $PY -m pip list 2>/dev/null | grep -iE "^(onnx|onnxruntime|transformers) " || true
-        for dev in cpu cuda; do
+        for dev in ${DEPLOY_DEVICES:-cpu cuda}; do
           $PY "$repo/examples/aoti/export_detector.py" --device $dev --size $size --out aoti-$dev || exit 1
         done
         cmake -S "$repo/examples/aoti" -B build -DCMAKE_PREFIX_PATH="$($PY -m ms_deform_attn --cmake-prefix-path)" > cmake.log 2>&1 \
           && cmake --build build -j "$(nproc)" > build.log 2>&1 || { tail -30 cmake.log build.log; exit 1; }
-        for dev in cpu cuda; do ./build/aoti_detector aoti-$dev/model.pt2 aoti-$dev/io.pt 50 || exit 1; done
-        $PY "$repo/benchmarks/deployment.py" --size $size --runs 50 ${DEPLOY_ONNX:+--onnx "$repo/$DEPLOY_ONNX"}
+        fail=0
+        for dev in ${DEPLOY_DEVICES:-cpu cuda}; do ./build/aoti_detector aoti-$dev/model.pt2 aoti-$dev/io.pt 50 || fail=1; done
+        $PY "$repo/benchmarks/deployment.py" --size $size --runs 50 ${DEPLOY_ONNX:+--onnx "$repo/$DEPLOY_ONNX"} || fail=1
+        exit $fail
       ) 2>&1 | grep -v Warning | tee "$OUT/deploy.log" | tail -30
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "DEPLOY FAILED"; status=1; } ;;
     sass)
