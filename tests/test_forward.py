@@ -127,6 +127,22 @@ def test_non_finite_samples_make_their_rows_nan(device, backend):
 
 
 @pytest.mark.parametrize("device,backend", device_backends())
+def test_samples_outside_the_map_read_nothing(device, backend):
+    """A sample whose footprint misses the map adds nothing, whatever the
+    values: with every value NaN and every location outside, the output is
+    exactly zero, as in the reference (kernels may load a clamped pixel for
+    such a sample, but must not add it)."""
+    value, shapes, start, loc, attn = make_inputs(2, 37, 8, 32, [(9, 7), (5, 4), (1, 1)], 4,
+                                                  torch.float32, device=device)
+    value = torch.full_like(value, float("nan"))
+    far = torch.tensor([-3.0, 4.0], device=device)
+    loc = far[torch.randint(0, 2, loc.shape, device=device)]
+    out = run(value, shapes, start, loc, attn, backend)
+    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(reference64(value, shapes, start, loc, attn), torch.zeros_like(out, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("device,backend", device_backends())
 def test_locations_on_pixel_borders_and_corners(device, backend):
     shapes = [(6, 8), (3, 4)]
     value, shapes_t, start, _, attn = make_inputs(1, 40, 2, 16, shapes, 2, torch.float64,
