@@ -30,6 +30,15 @@ GradValueRequest grad_value_override() {
   }
 }
 
+BlockedRows blocked_rows_override() {
+  const std::string v = env("MS_DEFORM_ATTN_BLOCKED_ROWS");
+  if (v.empty() || v == "auto") return BlockedRows::automatic;
+  if (v == "shared") return BlockedRows::shared;
+  if (v == "lane") return BlockedRows::lane;
+  TORCH_CHECK(false, "ms_deform_attn: MS_DEFORM_ATTN_BLOCKED_ROWS must be 'auto', 'shared' or "
+              "'lane', got '", v, "'");
+}
+
 int64_t smem_budget_override() {
   const std::string v = env("MS_DEFORM_ATTN_SMEM_BUDGET");
   return v.empty() ? -1 : std::atoll(v.c_str());

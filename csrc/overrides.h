@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backward_plan.h"
+#include "params.h"
 
 namespace msda {
 
@@ -14,6 +15,10 @@ namespace msda {
 std::string backend_override();
 // MS_DEFORM_ATTN_GRAD_VALUE: auto, atomic, sorted or local (backward_plan.h).
 GradValueRequest grad_value_override();
+// MS_DEFORM_ATTN_BLOCKED_ROWS: how `blocked` sets up a row's samples: auto,
+// shared (once a sample, handed over through shared memory) or lane (on
+// every lane of the row); see BlockedRows.
+BlockedRows blocked_rows_override();
 // MS_DEFORM_ATTN_SMEM_BUDGET: shared-memory bytes the caching forward backends may use (-1: theirs).
 int64_t smem_budget_override();
 // MS_DEFORM_ATTN_POISON=1: outputs are filled with NaN before the kernels

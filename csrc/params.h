@@ -31,6 +31,14 @@ struct Problem {
 // Samples of a problem: one a (n, q, m, level, point).
 inline int64_t sample_count(const Problem& pb) { return pb.N * pb.Lq * pb.M * pb.L * pb.P; }
 
+// How the `blocked` forward sets up a row's samples (the bilinear corners and
+// weights of each location): `shared`, once a sample by one lane, handed to
+// the row's lanes through shared-memory slots; `lane`, by every lane of the
+// row itself, with more corner loads in flight and no warp syncs (faster
+// where warps are few: the decoders). `automatic`: lane_row_split()
+// (cuda/launch_shapes.h) decides.
+enum class BlockedRows : int { automatic, shared, lane };
+
 struct ForwardParams {
   Problem pb;
   const void* value = nullptr;            // (N, S, M, D), pb.value_head_major: (N, M, S, D)
@@ -42,6 +50,7 @@ struct ForwardParams {
   int vec = 1;                             // elements per vector access
   void* workspace = nullptr;               // zeroed scratch, as the backend asked for
   int64_t smem_budget = -1;                // shared-memory bytes a caching backend may use (-1: its default)
+  BlockedRows blocked_rows = BlockedRows::automatic;  // `blocked`'s set-up (a test hook)
   const int64_t* host_shapes = nullptr;    // (L, 2) (H, W) in host memory when pb.host_shapes
   // ms_deform_attn_fused (baseline, blocked): with ref set, loc holds the
   // sampling offsets, attn the attention logits, and ref the reference

@@ -55,8 +55,11 @@ def main() -> int:
     count = 0
     # Default cache or staging buffers, none (global reads only), and a tiny
     # one (tma: boxes of a few pixels, most corners outside them).
+    # blocked's two set-ups of a row (the small cases here take the per-lane
+    # one by default) ride along, one a pass.
     budgets = [None, "0", "1024"]
-    for budget in budgets:
+    for budget, rows in zip(budgets, ["shared", "lane", "auto"]):
+        os.environ["MS_DEFORM_ATTN_BLOCKED_ROWS"] = rows
         if budget is None:
             os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
         else:
@@ -78,6 +81,7 @@ def main() -> int:
                                        spatial_shapes_list=levels):
                     continue  # e.g. tma with float64 values
                 count += every_path(value, shapes, start, loc, attn, backend, levels)
+    os.environ.pop("MS_DEFORM_ATTN_BLOCKED_ROWS", None)
     # value head-major ((N, M, S, D) storage, read in place): every backend
     # (tma with its default boxes and with boxes of a few pixels) and path.
     levels = [(5, 7), (3, 2), (1, 1)]

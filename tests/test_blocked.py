@@ -1,6 +1,8 @@
 """`blocked` backend specifics: blocks of consecutive queries of one (batch,
 head), sized down for small problems, with groups past the last query that
-only stand in; rounds of points across levels; the fused operator's points
+only stand in; rounds of points across levels; both set-ups of a row's
+samples (shared through slots, or per lane with the row split over several
+groups; MS_DEFORM_ATTN_BLOCKED_ROWS forces one); the fused operator's points
 formed in it; where auto takes it."""
 import pytest
 import torch
@@ -13,6 +15,13 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA device with the blocked backend")
 
 SHAPES = [(20, 30), (10, 15), (5, 8), (1, 1)]
+ROWS = ["auto", "shared", "lane"]
+
+
+@pytest.fixture(params=ROWS)
+def rows(request, monkeypatch):
+    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_ROWS", request.param)
+    return request.param
 
 
 # Lq from a single query to several blocks with a partial last one; D from 16
@@ -22,28 +31,39 @@ SHAPES = [(20, 30), (10, 15), (5, 8), (1, 1)]
 @pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["float32", "bfloat16", "float16"])
-def test_query_runs_and_channels(lq, d, dtype):
+def test_query_runs_and_channels(lq, d, dtype, rows):
     inputs = make_inputs(2, lq, 3, d, SHAPES, 4, dtype, torch.float32, device="cuda")
     out = msda.ms_deform_attn(*inputs, backend="blocked")
     assert rel_err(out, reference64(*inputs)) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("p", [1, 3, 8, 13])
-def test_rounds_across_levels(p):
-    # L P not a multiple of the group's lanes (8 in fp32): rounds that span
-    # levels and a partial last round.
+def test_rounds_across_levels(p, rows):
+    # L P not a multiple of the group's lanes (8 in fp32) nor of a lane's
+    # chunk: rounds and chunks that span levels, partial last ones, and
+    # parts of a split row with no points.
     inputs = make_inputs(1, 77, 8, 32, SHAPES, p, torch.float32, device="cuda")
     out = msda.ms_deform_attn(*inputs, backend="blocked")
     assert rel_err(out, reference64(*inputs)) <= TOL[torch.float32]
 
 
-def test_matches_baseline_bitwise_in_fp32():
+def test_matches_baseline_bitwise_in_fp32(monkeypatch):
     # The same per-sample arithmetic in the same order: only the work's
-    # placement differs.
+    # placement differs. (The per-lane set-up adds a split row's parts in
+    # another order.)
+    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_ROWS", "shared")
     inputs = make_inputs(2, 500, 8, 32, SHAPES, 4, torch.float32, device="cuda")
     a = msda.ms_deform_attn(*inputs, backend="blocked")
     b = msda.ms_deform_attn(*inputs, backend="baseline")
     assert torch.equal(a, b)
+
+
+def test_rows_override_is_checked(monkeypatch):
+    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_ROWS", "slots")
+    inputs = make_inputs(1, 10, 2, 32, SHAPES, 4, torch.float32, torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="MS_DEFORM_ATTN_BLOCKED_ROWS must be 'auto', 'shared' "
+                       "or 'lane', got 'slots'"):
+        msda.ms_deform_attn(*inputs, backend="blocked")
 
 
 @pytest.mark.parametrize("dtype,m,lq,expected", [

@@ -56,11 +56,17 @@ def test_non_contiguous_inputs(device, backend, dtype):
     assert not (value_nc.is_contiguous() or loc_nc.is_contiguous() or attn_nc.is_contiguous())
     out = run(value_nc, shapes_nc, start, loc_nc, attn_nc, backend)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    # A misaligned storage offset (value starts one element into a buffer).
+    # A misaligned storage offset (value starts one element into a buffer):
+    # one-element vectors, which blocked gathers with its shared set-up
+    # (slots) while aligned small problems take the per-lane one, whose split
+    # rows add their parts in another order.
     buf = torch.empty(value.numel() + 1, dtype=dtype, device=device)
     buf[1:] = value.flatten()
     out = run(buf[1:].view_as(value), shapes, start, loc, attn, backend)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    if backend == "blocked":
+        assert rel_err(out, expected) <= TOL[dtype]
+    else:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device,backend", device_backends())

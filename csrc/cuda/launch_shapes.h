@@ -16,6 +16,32 @@ constexpr int kMaxThreadsPerSm = 2048;
 // baseline_forward_kernel: at most 64 registers, 4 blocks an SM.
 constexpr int kForwardBlocksPerSm = 4;
 
+// blocked_forward_kernel's rows with per-lane set-up (blocked_lane_rows_kernel):
+// kLaneRowPoints points a lane at a time (their 4 x kLaneRowPoints corner
+// loads in flight together), at most 80 registers (3 blocks of 256 an SM).
+constexpr int kLaneRowPoints = 2;
+constexpr int kLaneRowBlocksPerSm = 3;
+// Problems whose row groups (`rows` (query, head) rows of `lanes` threads)
+// give at most kLaneRowsUpToThreadsPerSm threads an SM (the decoders: too
+// few warps to hide the slot round trip's latency) take per-lane set-up,
+// each row split over up to `split` groups (the row's points shared out,
+// the sums added by shuffles) while that gives at most
+// kLaneRowSplitThreadsPerSm threads an SM. Returns the split, or 0 for the
+// shared set-up (slots). `force`: per-lane set-up whatever the size (a test
+// hook). docs/performance.md has the measurements behind the two figures.
+constexpr int64_t kLaneRowsUpToThreadsPerSm = 512;
+constexpr int64_t kLaneRowSplitThreadsPerSm = 640;
+constexpr int lane_row_split(int64_t rows, int lanes, int points, int sms, bool force) {
+  const int64_t threads = rows * lanes;
+  if (!force && threads > kLaneRowsUpToThreadsPerSm * sms) return 0;
+  int split = 1;
+  while (lanes * split * 2 <= 32 && split * kLaneRowPoints < points &&
+         threads * split * 2 <= kLaneRowSplitThreadsPerSm * sms) {
+    split *= 2;
+  }
+  return split;
+}
+
 // backward_kernel (FFMA dots, atomic or key-writing): where the groups alone
 // give fewer than kFillThreadsPerSm threads an SM (the decoders), a group's
 // samples are split into tasks.

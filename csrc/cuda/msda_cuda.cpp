@@ -78,6 +78,7 @@ at::Tensor launch_forward(Prepared& in, const cuda::CudaBackend& impl, const flo
     C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, bytes, stream));
   }
   p.smem_budget = smem_budget_override();  // a test hook of the caching backends
+  p.blocked_rows = blocked_rows_override();  // a test hook of `blocked`
   C10_CUDA_CHECK(impl.forward(p, stream));
   return out;
 }

@@ -374,6 +374,60 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
   }
 }
 
+// A row gathered with per-lane set-up (the `blocked` forward where warps
+// are few: BlockedRows, params.h): no slots and no warp syncs; every lane
+// resolves each of its points itself (the set-up repeated on the lanes of a
+// group, as the Triton peer does), C points at a time in row order (across
+// levels), and issues their 4 C corner loads before any sum. A lane takes
+// the chunks of C points at `first`, `first + stride`, ... (a row split
+// over several groups: each takes every stride / C-th chunk). The next
+// chunk's locations and weights are loaded before this chunk's sums; the
+// first chunk's by prefetch(), which needs no level table (a kernel issues
+// it before the table's barrier). The row's points as given (RowPoints):
+// FusedPoints needs each point's level to load it.
+template <typename T, int C, typename LT, typename A>
+struct LaneRow {
+  RowPoints<LT> pts;
+  int L, P;
+  int first, stride;  // this lane's chunks: points [first + k stride, + C)
+  A x[C], y[C], w[C];
+
+  __device__ __forceinline__ void load_chunk(int i0) {
+    const int last = L * P - 1;
+#pragma unroll
+    for (int j = 0; j < C; ++j) load_point(pts.loc, pts.attn, min(i0 + j, last), x[j], y[j], w[j]);
+  }
+  __device__ __forceinline__ void prefetch() { load_chunk(first); }
+
+  // acc += the row's samples (after prefetch(); `levels` ready).
+  template <int VEC, typename Fetch>
+  __device__ __forceinline__ void run(const Level* levels, A (&acc)[VEC], Fetch&& fetch) {
+    const int LP = L * P;
+    for (int i0 = first; i0 < LP; i0 += stride) {
+      Corners<A> c[C];
+      int lj = i0 / P, pj = i0 - lj * P;  // level and point of sample i0 + j
+#pragma unroll
+      for (int j = 0; j < C; ++j) {
+        const Level lv = levels[min(lj, L - 1)];
+        const int start = static_cast<int>(lv.start);
+        c[j] = resolve_sample(x[j], y[j], lv.weight(w[j]), lv.H, lv.W,
+                              [&](int row, int col) { return start + row * lv.W + col; });
+        if (i0 + j >= LP) c[j].pix[0] = kNoSample;
+        if (++pj == P) {
+          pj = 0;
+          ++lj;
+        }
+      }
+      RawCorner<T, VEC> v[C][4];
+#pragma unroll
+      for (int j = 0; j < C; ++j) fetch_corners<T, VEC>(c[j], v[j], fetch);
+      if (i0 + stride < LP) load_chunk(i0 + stride);
+#pragma unroll
+      for (int j = 0; j < C; ++j) add_corners<T, VEC>(acc, c[j], v[j]);
+    }
+  }
+};
+
 // One (query, head) row of the output: the sum over levels and points of
 // `pts`, over this lane's channel slices (gather_level for each level). All
 // `lanes` threads of the group call it. with_fetch(l, c, body) calls

@@ -71,6 +71,59 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   }
 }
 
+
+// The same rows with per-lane set-up (LaneRow, sampler.cuh): a row is
+// served by `split` groups of `lanes` lanes, each taking every split-th
+// chunk of the row's points, their sums added by shuffles. For problems
+// with few warps (lane_row_split(), launch_shapes.h); 16-byte vectors of
+// fp32, bf16 or fp16 only (the rest take the slots).
+template <typename T, typename LT, int VEC>
+__global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
+    blocked_lane_rows_kernel(const ForwardParams p, const int lanes, const int split,
+                             const int64_t qblocks) {
+  using A = acc_t<T>;
+  const Problem& pb = p.pb;
+  __shared__ Level levels[kMaxLevels];
+  const int row_threads = lanes * split;  // a power of two <= 32: a row never straddles a warp
+  const int t = static_cast<int>(threadIdx.x) % row_threads;
+  const int lane = t % lanes, part = t / lanes;
+  const int rows = static_cast<int>(blockDim.x) / row_threads;
+  const int64_t qb = blockIdx.x % qblocks, nm = blockIdx.x / qblocks;
+  const int64_t q_at = qb * rows + threadIdx.x / row_threads;
+  const int64_t q = q_at < pb.Lq ? q_at : pb.Lq - 1;
+  const int64_t m = nm % pb.M, n = nm / pb.M;
+  const int64_t group = (n * pb.Lq + q) * pb.M + m;
+  const auto [loc, attn] = query_row<LT>(p, group);
+  LaneRow<T, kLaneRowPoints, LT, A> row{{loc, attn}, pb.L, pb.P, part * kLaneRowPoints,
+                                        split * kLaneRowPoints};
+  row.prefetch();  // under the level table's load
+  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
+  __syncthreads();
+  if (q_at >= pb.Lq) return;  // a row's threads leave together: the shuffles below stay whole
+  const unsigned mask = (row_threads == 32 ? 0xffffffffu : (1u << row_threads) - 1u)
+                        << ((threadIdx.x - t) & 31u);
+  const int64_t row_stride = value_pixel_rows(pb) * pb.D;
+  const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
+  const T* vbase = static_cast<const T*>(p.value) + value_row(pb, n, 0, m) * pb.D;
+  T* out = static_cast<T*>(p.out) + group * pb.D;
+  const int64_t first_c = int64_t(lane) * VEC;
+  for (int64_t c = first_c; c < pb.D; c += int64_t(lanes) * VEC) {
+    const T* vc = vbase + c;
+    A acc[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) acc[e] = A(0);
+    if (c != first_c) row.prefetch();
+    row.run(levels, acc, [&](int pix) {
+      return __ldg(reinterpret_cast<const RawCorner<T, VEC>*>(pixel_ptr(vc, pix, stride_bytes)));
+    });
+    for (int o = lanes; o < row_threads; o <<= 1) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(mask, acc[e], o);
+    }
+    if (part == 0) store_vec<T, VEC>(out + c, acc);
+  }
+}
+
 template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
@@ -99,6 +152,20 @@ struct Launch {
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
+    }
+    if constexpr (VEC * sizeof(T) == 16 && !std::is_same_v<T, double>) {
+      const int split = p.blocked_rows == BlockedRows::shared
+                            ? 0
+                            : lane_row_split(pb.N * pb.M * pb.Lq, lanes, pb.L * pb.P, d.sms,
+                                             p.blocked_rows == BlockedRows::lane);
+      if (split > 0) {
+        const int64_t rows = threads / (lanes * split);  // threads >= 32 >= lanes * split
+        const int64_t row_blocks = (pb.Lq + rows - 1) / rows;
+        blocked_lane_rows_kernel<T, LT, VEC>
+            <<<static_cast<unsigned>(row_blocks * pb.N * pb.M), threads, 0, stream>>>(
+                p, lanes, split, row_blocks);
+        return cudaGetLastError();
+      }
     }
     blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
     return cudaGetLastError();
