@@ -318,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, kPixelsMinBlocksPerSm)
 // low parts of weights down to 2^-15 stay normal fp16 numbers, and the sums
 // scaled back at the end; a round holding a weight that the scale would take
 // past fp16's range (|w| >= 8) is scaled by its own power of two instead,
-// multiplied into zeroed sums and added to the tile's at the tile's scale.
+// the tile's sums taken to that scale for the round and back.
 constexpr int kTileRounds = 8;  // rounds a warp aims at before its tile is split
 constexpr int kHalfWeightExp = 12;
 // The smallest |w| that kHalfWeightExp would take to 2^15 or more (fp16's
@@ -491,6 +491,14 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
         }
       };
       float acc[4][4] = {};  // times 2^kScaleExp
+      auto scale_sums = [](float (&sums)[4][4], int k) {  // sums *= 2^k, -126 <= k <= 127
+        const float f = __int_as_float((127 + k) << 23);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) sums[c][i] *= f;
+        }
+      };
       // sums += W^T G (after the copies are waited for).
       auto multiply = [&](float (&sums)[4][4]) {
         __syncwarp();
@@ -514,14 +522,11 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
           const int k = 14 - e;
           build_w(cur, __int_as_float((127 + k) << 23));
           cp_async_wait<0>();
-          float part[4][4] = {};
-          multiply(part);
-          const float up = __int_as_float((127 + kScaleExp - k) << 23);
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[c][i] = fmaf(part[c][i], up, acc[c][i]);
-          }
+          // The sums taken to this round's scale and back: powers of two,
+          // exact (fp32's range holds both), and no second set of sums.
+          scale_sums(acc, k - kScaleExp);
+          multiply(acc);
+          scale_sums(acc, kScaleExp - k);
         } else {
           build_w(cur, kScale);
           cp_async_wait<0>();
