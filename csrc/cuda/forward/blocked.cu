@@ -4,7 +4,9 @@
 // `baseline` does). The lanes of a group resolve the row's L * P points in
 // rounds across levels (gather_row, sampler.cuh): no lane idles where
 // P < lanes (fp32: 8 lanes, P = 4). For ms_deform_attn_fused it also forms
-// the locations and the softmax from the offsets and logits.
+// the locations and the softmax from the offsets and logits. Where the rows
+// give few warps (the decoders), blocked_lane_rows_kernel takes them
+// instead: every lane sets up its own points, no slots.
 #include "../device/sampler.cuh"
 #include "../launch.h"
 
@@ -70,7 +72,6 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     row(RowPoints<LT>{loc, attn});
   }
 }
-
 
 // The same rows with per-lane set-up (LaneRow, sampler.cuh): a row is
 // served by `split` groups of `lanes` lanes, each taking every split-th
