@@ -159,6 +159,15 @@ struct RowMajor {
   __device__ __forceinline__ int operator()(int row, int col) const { return row * W + col; }
 };
 
+// Corners numbered by their pixel in the whole map: the level's first pixel
+// `start` plus the row-major pixel (S < 2^31, the binding).
+struct MapIndex {
+  int start, W;
+  __device__ __forceinline__ int operator()(int row, int col) const {
+    return start + row * W + col;
+  }
+};
+
 // The four corners of sample b, clamped into its H x W level (H, W >= 1) so
 // that all four can be loaded unconditionally, numbered by index(row, col)
 // (the row-major pixel by default); b.corner_ok() says which are real. One

@@ -338,7 +338,7 @@ __device__ __forceinline__ void gather_slots_pipelined(const GroupLanes& g, int 
 // The same for a whole row at once (the `blocked` forward): lane j resolves
 // point i0 + j of the row's L * P points, across levels, so that no lane
 // idles where P < lanes; corners are numbered by their pixel in the whole
-// map (level start + row-major pixel; S < 2^31). `valid` false for a group
+// map (MapIndex). `valid` false for a group
 // that stands in only so that its warp syncs whole (no loads, nothing read
 // from its slots). fetch(pix) returns pixel pix's raw vector (fetch_corners).
 // kPipelined: gather_slots_pipelined, else gather_slots (the fused form,
@@ -353,12 +353,10 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
     if (valid && i < LP) {
       const int l = i / P;
       const Level lv = levels[l];
-      const int start = static_cast<int>(lv.start);
       A x, y, w;
       pts.load(lv, l, i, x, y, w);
-      slots.put(g.slot(g.lane),
-                resolve_sample(x, y, lv.weight(w), lv.H, lv.W,
-                               [&](int row, int col) { return start + row * lv.W + col; }));
+      slots.put(g.slot(g.lane), resolve_sample(x, y, lv.weight(w), lv.H, lv.W,
+                                               MapIndex{static_cast<int>(lv.start), lv.W}));
     }
     __syncwarp();
     const int count = min(g.lanes, LP - i0);
@@ -409,9 +407,8 @@ struct LaneRow {
 #pragma unroll
       for (int j = 0; j < C; ++j) {
         const Level lv = levels[min(lj, L - 1)];
-        const int start = static_cast<int>(lv.start);
         c[j] = resolve_sample(x[j], y[j], lv.weight(w[j]), lv.H, lv.W,
-                              [&](int row, int col) { return start + row * lv.W + col; });
+                              MapIndex{static_cast<int>(lv.start), lv.W});
         if (i0 + j >= LP) c[j].pix[0] = kNoSample;
         if (++pj == P) {
           pj = 0;

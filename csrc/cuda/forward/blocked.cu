@@ -17,6 +17,50 @@ namespace {
 // slots are sized for the largest, kThreads.
 constexpr int kMinBlockThreads = 64;
 
+// Where a (query, head) row of both kernels lives. Block b holds `rows`
+// consecutive queries of (n, m) = divmod(b / qblocks, M); its row r is query
+// qb * rows + r, qb = b % qblocks. A row past the last query (valid false)
+// stands in for the last one, so that its threads still run the kernel's
+// warp-wide steps; it must store nothing.
+template <typename LT>
+struct RowSite {
+  bool valid;
+  int64_t n, m;
+  int64_t group;  // (n, q, m), flattened as in sampling.h
+  QueryRow<LT> points;
+};
+
+template <typename LT>
+__device__ __forceinline__ RowSite<LT> row_site(const ForwardParams& p, int rows, int row,
+                                                int64_t qblocks) {
+  const Problem& pb = p.pb;
+  const int64_t qb = blockIdx.x % qblocks, nm = blockIdx.x / qblocks;
+  const int64_t q_at = qb * rows + row;
+  RowSite<LT> r;
+  r.valid = q_at < pb.Lq;
+  r.m = nm % pb.M;
+  r.n = nm / pb.M;
+  r.group = (r.n * pb.Lq + (r.valid ? q_at : pb.Lq - 1)) * pb.M + r.m;
+  r.points = query_row<LT>(p, r.group);
+  return r;
+}
+
+// Loads of head m's channels of batch n's pixels: at(c) gives the fetch of
+// the VEC channels from c, fetch(pix) -> RawCorner (fetch_corners).
+template <typename T, int VEC>
+struct HeadPixels {
+  const T* base;          // (n, pixel 0, m, channel 0)
+  unsigned stride_bytes;  // one pixel (< 4 GiB, the binding)
+  __device__ __forceinline__ HeadPixels(const ForwardParams& p, int64_t n, int64_t m)
+      : base(static_cast<const T*>(p.value) + value_row(p.pb, n, 0, m) * p.pb.D),
+        stride_bytes(static_cast<unsigned>(value_pixel_rows(p.pb) * p.pb.D * sizeof(T))) {}
+  __device__ __forceinline__ auto at(unsigned c) const {
+    return [vc = base + c, s = stride_bytes](int pix) {
+      return __ldg(reinterpret_cast<const RawCorner<T, VEC>*>(pixel_ptr(vc, pix, s)));
+    };
+  }
+};
+
 template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
 __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
@@ -28,45 +72,37 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
 
-  // Block b: queries [qb G, qb G + G) of (n, m) = divmod(b / qblocks, M).
+  // A group a row. Groups past the last query stay (loading nothing), so
+  // that every warp syncs whole: a partial-mask __syncwarp costs a
+  // convergence check each time.
   const int lane = static_cast<int>(threadIdx.x) % lanes;
-  const int groups = static_cast<int>(blockDim.x) / lanes;
-  const int64_t qb = blockIdx.x % qblocks, nm = blockIdx.x / qblocks;
-  const int64_t q_at = qb * groups + threadIdx.x / lanes;
-  // Groups past the last query stay (reading the last query's row, loading
-  // nothing), so that every warp syncs whole: a partial-mask __syncwarp
-  // costs a convergence check each time.
-  const bool valid = q_at < pb.Lq;
-  const int64_t q = valid ? q_at : pb.Lq - 1;
-  const int64_t m = nm % pb.M, n = nm / pb.M;
-  const int64_t group = (n * pb.Lq + q) * pb.M + m;
-  const int64_t row_stride = value_pixel_rows(pb) * pb.D;
-  const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
-  const T* vbase = static_cast<const T*>(p.value) + value_row(pb, n, 0, m) * pb.D;
-  const auto [loc, attn] = query_row<LT>(p, group);
-  T* out = static_cast<T*>(p.out) + group * pb.D;
+  const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) / lanes,
+                                 static_cast<int>(threadIdx.x) / lanes, qblocks);
+  const bool valid = site.valid;
+  const auto [loc, attn] = site.points;
+  const HeadPixels<T, VEC> value(p, site.n, site.m);
+  T* out = static_cast<T*>(p.out) + site.group * pb.D;
   const CornerSlots<A> slots(slot_mem, kThreads);
   const GroupLanes g = group_lanes(lane, lanes);
 
   auto row = [&](const auto& pts) {
-    const int64_t step = int64_t(lanes) * VEC;
-    for (int64_t c0 = 0; c0 < pb.D; c0 += step) {
-      const int64_t c = c0 + int64_t(lane) * VEC;
+    // 32-bit channel offsets (D < 2^31, the binding), unsigned so that the
+    // last step cannot overflow; 64-bit ones cost the fp32 kernel a spill.
+    for (unsigned c0 = 0; c0 < pb.D; c0 += lanes * VEC) {
+      const unsigned c = c0 + lane * VEC;
       const bool active = c < pb.D;
-      const T* vc = vbase + (active ? c : 0);
       A acc[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-      gather_row<T, !kFused>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc, [&](int pix) {
-        return __ldg(reinterpret_cast<const RawCorner<T, VEC>*>(pixel_ptr(vc, pix, stride_bytes)));
-      });
+      gather_row<T, !kFused>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc,
+                             value.at(active ? c : 0));
       if (valid && active) store_vec<T, VEC>(out + c, acc);
     }
   };
   if constexpr (kFused) {
     float max, inv_sum;
     row_softmax(attn, pb.L * pb.P, g, max, inv_sum);
-    const float* ref = p.ref + (group / pb.M) * pb.L * p.ref_dim;  // its (n, q)
+    const float* ref = p.ref + (site.group / pb.M) * pb.L * p.ref_dim;  // its (n, q)
     row(FusedPoints<LT>{loc, attn, ref, p.ref_dim, 0.5f / float(pb.P), max, inv_sum});
   } else {
     row(RowPoints<LT>{loc, attn});
@@ -88,35 +124,25 @@ __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
   const int row_threads = lanes * split;  // a power of two <= 32: a row never straddles a warp
   const int t = static_cast<int>(threadIdx.x) % row_threads;
   const int lane = t % lanes, part = t / lanes;
-  const int rows = static_cast<int>(blockDim.x) / row_threads;
-  const int64_t qb = blockIdx.x % qblocks, nm = blockIdx.x / qblocks;
-  const int64_t q_at = qb * rows + threadIdx.x / row_threads;
-  const int64_t q = q_at < pb.Lq ? q_at : pb.Lq - 1;
-  const int64_t m = nm % pb.M, n = nm / pb.M;
-  const int64_t group = (n * pb.Lq + q) * pb.M + m;
-  const auto [loc, attn] = query_row<LT>(p, group);
-  LaneRow<T, kLaneRowPoints, LT, A> row{{loc, attn}, pb.L, pb.P, part * kLaneRowPoints,
-                                        split * kLaneRowPoints};
+  const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) / row_threads,
+                                 static_cast<int>(threadIdx.x) / row_threads, qblocks);
+  LaneRow<T, kLaneRowPoints, LT, A> row{{site.points.loc, site.points.attn}, pb.L, pb.P,
+                                        part * kLaneRowPoints, split * kLaneRowPoints};
   row.prefetch();  // under the level table's load
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
-  if (q_at >= pb.Lq) return;  // a row's threads leave together: the shuffles below stay whole
+  if (!site.valid) return;  // a row's threads leave together: the shuffles below stay whole
   const unsigned mask = (row_threads == 32 ? 0xffffffffu : (1u << row_threads) - 1u)
                         << ((threadIdx.x - t) & 31u);
-  const int64_t row_stride = value_pixel_rows(pb) * pb.D;
-  const unsigned stride_bytes = static_cast<unsigned>(row_stride * sizeof(T));  // < 4 GiB (binding)
-  const T* vbase = static_cast<const T*>(p.value) + value_row(pb, n, 0, m) * pb.D;
-  T* out = static_cast<T*>(p.out) + group * pb.D;
-  const int64_t first_c = int64_t(lane) * VEC;
-  for (int64_t c = first_c; c < pb.D; c += int64_t(lanes) * VEC) {
-    const T* vc = vbase + c;
+  const HeadPixels<T, VEC> value(p, site.n, site.m);
+  T* out = static_cast<T*>(p.out) + site.group * pb.D;
+  const unsigned first_c = lane * VEC;  // 32-bit, as in blocked_forward_kernel
+  for (unsigned c = first_c; c < pb.D; c += lanes * VEC) {
     A acc[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) acc[e] = A(0);
     if (c != first_c) row.prefetch();
-    row.run(levels, acc, [&](int pix) {
-      return __ldg(reinterpret_cast<const RawCorner<T, VEC>*>(pixel_ptr(vc, pix, stride_bytes)));
-    });
+    row.run(levels, acc, value.at(c));
     for (int o = lanes; o < row_threads; o <<= 1) {
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] += __shfl_xor_sync(mask, acc[e], o);
