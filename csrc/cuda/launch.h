@@ -94,6 +94,7 @@ struct SortedBuffers {
   void* temp = nullptr;     // the sort's scratch, sorted_temp_bytes() long
   size_t temp_bytes = 0;
   void* cell_starts = nullptr;  // cells + 1 int64
+  int64_t* big_weights = nullptr;  // one int64: pack_samples' flag (fp16 tiles), cleared by cell starts
   void* rows = nullptr;         // items, like ids: the keys buffer the sort leaves dead
   void* weights = nullptr;      // 4 * items in the accumulation type
   void* grad_value = nullptr;   // (N, S, M, D) in the value's dtype, written completely

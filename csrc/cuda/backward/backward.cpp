@@ -78,8 +78,9 @@ at::Tensor sorted_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t
   at::Tensor temp = at::empty({int64_t(std::max<size_t>(b.temp_bytes, 1))},
                               in.value.options().dtype(at::kByte));
   b.temp = temp.data_ptr();
-  at::Tensor starts = at::empty({b.cells + 1}, in.value.options().dtype(at::kLong));
+  at::Tensor starts = at::empty({b.cells + 2}, in.value.options().dtype(at::kLong));
   b.cell_starts = starts.data_ptr();
+  b.big_weights = starts.data_ptr<int64_t>() + b.cells + 1;  // the last one
   const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor weights = at::empty({4 * b.items}, in.value.options().dtype(acc_type));
   b.weights = weights.data_ptr();

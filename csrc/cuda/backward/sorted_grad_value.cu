@@ -20,6 +20,8 @@
 #include <cub/device/device_radix_sort.cuh>
 
 #include <algorithm>
+#include <cfloat>
+#include <type_traits>
 
 #include "../device/fused_samples.cuh"
 #include "../device/grad_value_records.cuh"
@@ -49,11 +51,13 @@ struct GatherParams {
 // loads and the writes of the sparse maps' empty cells). Runs of more than
 // 32 cells (sparse maps, or every sample in one cell) are written by the
 // whole warp, one run at a time; shorter ones by their position's lane.
+// It also clears `big`, the flag pack_samples raises (ahead of it in the stream).
 template <int kPer, typename K>
 __global__ void cell_starts_kernel(const K* __restrict__ sorted, int64_t items, int64_t cells,
-                                   int64_t* __restrict__ start) {
+                                   int64_t* __restrict__ start, int64_t* __restrict__ big) {
   const int lane = threadIdx.x % 32;
   const int64_t j0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPer;
+  if (j0 == 0) *big = 0;
   int64_t key[kPer + 1];  // key[k]: of position j0 + k - 1, clamped to cells
 #pragma unroll
   for (int k = 0; k <= kPer; ++k) {
@@ -85,25 +89,38 @@ cudaError_t launch_cell_starts(const SortedBuffers& b, cudaStream_t stream) {
   auto* start = static_cast<int64_t*>(b.cell_starts);
   if (b.items >= kCellStartsWideFromPerSm * d.sms) {
     cell_starts_kernel<8><<<grid_for((b.items + 8) / 8), kThreads, 0, stream>>>(keys, b.items, b.cells,
-                                                                                start);
+                                                                                start, b.big_weights);
   } else {
-    cell_starts_kernel<1><<<grid_for(b.items + 1), kThreads, 0, stream>>>(keys, b.items, b.cells, start);
+    cell_starts_kernel<1><<<grid_for(b.items + 1), kThreads, 0, stream>>>(keys, b.items, b.cells, start,
+                                                                          b.big_weights);
   }
   return cudaGetLastError();
 }
 
+// fp16 weights for value_grad_tiles are scaled by 2^kHalfWeightExp (in
+// pack_samples), so that the low parts of weights down to 2^-15 stay normal
+// fp16 numbers in its split (split_16), and the sums scaled back at the end;
+// a scaled weight of kHalfWeightLimit or more (|w| >= 8) would leave fp16's
+// range: pack_samples raises a flag, and the tiles kernel then scales each
+// round that holds one by its own power of two.
+constexpr int kHalfWeightExp = 12;
+constexpr float kHalfWeightLimit = 32768.f;  // 2^15 (fp16's largest finite number is 65504)
+
 // Sorted position j -> rows[j] (the sample's (n, q, m)) and wts[j][k] =
-// attention weight * bilinear weight of corner k. Positions past the last
+// attention weight * bilinear weight of corner k; kScaled (fp16 for the
+// tiles): times 2^kHalfWeightExp, *big = 1 when one reaches
+// kHalfWeightLimit, and one that the scale takes past fp32's range held at
+// its largest number. Positions past the last
 // sample that touches a cell (start[cells]) hold the samples that touch
 // nothing and are skipped. kFused (ms_deform_attn_fused): the location and
 // weight are formed from the offset, the logit, the reference point and the
 // row's softmax statistics the dots kernel wrote, by the dots kernel's
 // arithmetic (fused_location, fused_weight).
-template <typename A, typename LT, typename Id, bool kFused>
+template <typename A, typename LT, typename Id, bool kFused, bool kScaled>
 __global__ void __launch_bounds__(kThreads)
     pack_samples(const BackwardParams p, const Id* __restrict__ sorted_ids,
                  const int64_t* __restrict__ cell_start, int64_t cells, Id* __restrict__ rows,
-                 A* __restrict__ wts) {
+                 A* __restrict__ wts, int64_t* __restrict__ big) {
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
@@ -120,8 +137,21 @@ __global__ void __launch_bounds__(kThreads)
   const auto b = resolve_sample_at<A, LT, kFused>(p, id, row, ref_row, lv, w);
   // The arithmetic of the key's: the same cell, hence the same corners.
   rows[j] = Id(row);
+  if constexpr (kScaled) {
+    bool over = false;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);
+    for (int k = 0; k < 4; ++k) {
+      const A wk = w * b.weight(k);
+      A scaled = wk * A(1 << kHalfWeightExp);
+      if (isinf(scaled) && !isinf(wk)) scaled = copysign(A(FLT_MAX), wk);
+      over |= fabs(scaled) >= A(kHalfWeightLimit);  // NaN: no (it stays NaN in fp16)
+      wts[4 * j + k] = scaled;
+    }
+    if (over) *big = 1;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) wts[4 * j + k] = w * b.weight(k);
+  }
 }
 
 // The gathers' tables in shared memory: the levels and their first cells;
@@ -314,16 +344,11 @@ __global__ void __launch_bounds__(kThreads, kPixelsMinBlocksPerSm)
 // are samples). Tiles of the crowded (small) levels are split over 2-8 warps
 // of a block, which take the rounds in turn and add their sums in a fixed
 // order, so the result is the same on every run.
-// fp16 weights are scaled by 2^kHalfWeightExp before the split, so that the
-// low parts of weights down to 2^-15 stay normal fp16 numbers, and the sums
-// scaled back at the end; a round holding a weight that the scale would take
-// past fp16's range (|w| >= 8) is scaled by its own power of two instead,
-// the tile's sums taken to that scale for the round and back.
+// fp16 weights come scaled by 2^kHalfWeightExp (pack_samples); where pack
+// raised its flag, a round holding a weight past kHalfWeightLimit is scaled
+// by its own power of two, the tile's sums taken to that scale for the round
+// and back.
 constexpr int kTileRounds = 8;  // rounds a warp aims at before its tile is split
-constexpr int kHalfWeightExp = 12;
-// The smallest |w| that kHalfWeightExp would take to 2^15 or more (fp16's
-// largest finite number is 65504).
-constexpr float kHalfWeightLimit = float(1 << (15 - kHalfWeightExp));
 
 struct __align__(16) TileSmem {
   union {
@@ -367,7 +392,8 @@ template <typename T, typename Id>
 __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
     value_grad_tiles(const BackwardParams p, const Id* __restrict__ rows,
                      const float* __restrict__ wts, const Id* __restrict__ keys,
-                     const int64_t* __restrict__ cell_start, T* __restrict__ grad_value) {
+                     const int64_t* __restrict__ cell_start, const int64_t* __restrict__ big,
+                     T* __restrict__ grad_value) {
   constexpr bool kHalf = std::is_same_v<T, __half>;
   constexpr int kScaleExp = kHalf ? kHalfWeightExp : 0;
   const Problem& pb = p.pb;
@@ -507,32 +533,42 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
       };
       constexpr float kScale = float(1 << kScaleExp);
       const Id step = Id(32 * g);
-      TileEntry<Id> cur = fetch(Id(sub) * 32 + lane);
-      for (Id v0 = Id(sub) * 32; v0 < count; v0 += step) {
-        const TileEntry<Id> nxt = fetch(v0 + step + lane);  // in flight meanwhile
-        stage_g(cur);
-        // fmaxf drops NaN: a NaN weight goes through as a NaN fp16.
-        const float wmax = cur.run >= 0 ? fmaxf(fmaxf(fabsf(cur.w.x), fabsf(cur.w.y)),
-                                                fmaxf(fabsf(cur.w.z), fabsf(cur.w.w)))
-                                        : 0.f;
-        if (kHalf && __any_sync(0xffffffffu, wmax >= kHalfWeightLimit)) {
-          // 2^k with the round's largest weight times 2^k in [2^14, 2^15)
-          // (k >= -114 for inf: its parts are inf and NaN, as with bf16).
-          const int e = int((__reduce_max_sync(0xffffffffu, __float_as_uint(wmax)) >> 23) & 0xff) - 127;
-          const int k = 14 - e;
-          build_w(cur, __int_as_float((127 + k) << 23));
-          cp_async_wait<0>();
-          // The sums taken to this round's scale and back: powers of two,
-          // exact (fp32's range holds both), and no second set of sums.
-          scale_sums(acc, k - kScaleExp);
-          multiply(acc);
-          scale_sums(acc, kScaleExp - k);
-        } else {
-          build_w(cur, kScale);
-          cp_async_wait<0>();
-          multiply(acc);
+      // The tile's rounds; kBig: each checked for weights past
+      // kHalfWeightLimit (two loops, so that the usual one has no check).
+      auto rounds = [&](auto big_rounds) {
+        constexpr bool kBig = decltype(big_rounds)::value;
+        TileEntry<Id> cur = fetch(Id(sub) * 32 + lane);
+        for (Id v0 = Id(sub) * 32; v0 < count; v0 += step) {
+          const TileEntry<Id> nxt = fetch(v0 + step + lane);  // in flight meanwhile
+          stage_g(cur);
+          // fmaxf drops NaN: a NaN weight goes through as a NaN fp16.
+          const float wmax = kBig && cur.run >= 0 ? fmaxf(fmaxf(fabsf(cur.w.x), fabsf(cur.w.y)),
+                                                          fmaxf(fabsf(cur.w.z), fabsf(cur.w.w)))
+                                                  : 0.f;
+          if (kBig && __any_sync(0xffffffffu, wmax >= kHalfWeightLimit)) {
+            // 2^k with the round's largest weight times 2^k in [2^14, 2^15)
+            // (k >= -114 for inf: its parts are inf and NaN, as with bf16).
+            const int e = int((__reduce_max_sync(0xffffffffu, __float_as_uint(wmax)) >> 23) & 0xff) - 127;
+            const int k = 14 - e;
+            build_w(cur, __int_as_float((127 + k) << 23));
+            cp_async_wait<0>();
+            // The sums taken to this round's scale and back: powers of two,
+            // exact (fp32's range holds both), and no second set of sums.
+            scale_sums(acc, k);
+            multiply(acc);
+            scale_sums(acc, -k);
+          } else {
+            build_w(cur, 1.f);
+            cp_async_wait<0>();
+            multiply(acc);
+          }
+          cur = nxt;
         }
-        cur = nxt;
+      };
+      if (kHalf && *big != 0) {  // pack_samples' flag
+        if constexpr (kHalf) rounds(std::true_type{});
+      } else {
+        rounds(std::false_type{});
       }
       if (g > 1) {  // the tile's warps' sums, added in warp order
         __syncwarp();
@@ -586,29 +622,41 @@ struct GatherLaunch {
     const auto* sorted = static_cast<const Id*>(b.sorted_ids);
     auto* rows = static_cast<Id*>(b.rows);
     auto* wts = static_cast<A*>(b.weights);
-    if (p.ref == nullptr) {
-      pack_samples<A, LT, Id, false><<<grid_for(b.items), kThreads, 0, stream>>>(p, sorted, start,
-                                                                                b.cells, rows, wts);
-    } else if constexpr (std::is_same_v<A, float>) {  // the fused operator: no fp64 values
-      pack_samples<A, LT, Id, true><<<grid_for(b.items), kThreads, 0, stream>>>(p, sorted, start,
-                                                                               b.cells, rows, wts);
+    // The planner's tiles: 16-bit values, VEC == 8 (grad_output and grad_value
+    // 16-byte aligned), D a multiple of 32, fewer than 2^31 pixels for the
+    // tiles' 32-bit item arithmetic. fp16 weights go to them scaled.
+    constexpr bool kTileable = (std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) && VEC == 8;
+    const bool tiles = kTileable && p.plan.gather == GatherKernel::tiles;
+    auto pack = [&](auto scaled) {
+      constexpr bool kScaled = decltype(scaled)::value;
+      if (p.ref == nullptr) {
+        pack_samples<A, LT, Id, false, kScaled><<<grid_for(b.items), kThreads, 0, stream>>>(
+            p, sorted, start, b.cells, rows, wts, b.big_weights);
+      } else if constexpr (std::is_same_v<A, float>) {  // the fused operator: no fp64 values
+        pack_samples<A, LT, Id, true, kScaled><<<grid_for(b.items), kThreads, 0, stream>>>(
+            p, sorted, start, b.cells, rows, wts, b.big_weights);
+      } else {
+        return cudaErrorInvalidValue;
+      }
+      return cudaGetLastError();
+    };
+    cudaError_t err = cudaSuccess;
+    if constexpr (kTileable && std::is_same_v<T, __half>) {
+      err = tiles ? pack(std::true_type{}) : pack(std::false_type{});
     } else {
-      return cudaErrorInvalidValue;
+      err = pack(std::false_type{});
     }
-    if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    if (err != cudaSuccess) return err;
     const int64_t items = p.pb.N * p.pb.M * p.pb.S;  // pixels of the grad_value map
     if (items == 0) return cudaSuccess;
     T* out = static_cast<T*>(b.grad_value);
     DeviceLimits d;
     if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
-    if constexpr ((std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half>) && VEC == 8) {
-      // The planner's tiles: 16-bit values, VEC == 8 (grad_output and grad_value
-      // 16-byte aligned), D a multiple of 32, fewer than 2^31 pixels for the
-      // tiles' 32-bit item arithmetic.
-      if (p.plan.gather == GatherKernel::tiles) {
+    if constexpr (kTileable) {
+      if (tiles) {
         // As many blocks as fit (__launch_bounds__), the rest of the items in turn.
         value_grad_tiles<T, Id><<<static_cast<unsigned>(d.sms) * kTilesBlocksPerSm, kThreads, 0, stream>>>(
-            p, rows, wts, static_cast<const Id*>(b.sorted_keys), start, out);
+            p, rows, wts, static_cast<const Id*>(b.sorted_keys), start, b.big_weights, out);
         return cudaGetLastError();
       }
     }
