@@ -47,6 +47,36 @@ def every_path(value, shapes, start, loc, attn, backend, levels) -> int:
     return len(PATHS)
 
 
+def set_env(name, value):
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def special_cases(backend, count) -> int:
+    """`backend` on every dtype and D, some locations outside and a third of
+    them special; returns `count` (the cases run so far, the seed) plus its
+    cases."""
+    for dtype, loc_dtype, d in cases():
+        value, shapes, start, loc, attn = make_inputs(
+            2, 13, 3, d, [(5, 7), (3, 2), (1, 1)], 3, dtype, loc_dtype, outside=0.3,
+            seed=count)
+        # Special locations on a third of the samples (made on the host).
+        special = torch.tensor(SPECIAL, dtype=torch.float64)
+        pick = torch.randint(0, len(SPECIAL), loc.shape)
+        mask = torch.rand(loc.shape) < 0.33
+        loc = torch.where(mask, special[pick], loc.double()).to(loc_dtype)
+        shapes, start = shapes.cuda(), start.cuda()
+        value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
+        levels = [(5, 7), (3, 2), (1, 1)]
+        if msda.backend_reason(backend, value, shapes, start, loc, attn,
+                               spatial_shapes_list=levels):
+            continue  # e.g. tma with float64 values
+        count += every_path(value, shapes, start, loc, attn, backend, levels)
+    return count
+
+
 def main() -> int:
     only = None
     if "--backends" in sys.argv:
@@ -55,41 +85,23 @@ def main() -> int:
     count = 0
     # Default cache or staging buffers, none (global reads only), and a tiny
     # one (tma: boxes of a few pixels, most corners outside them).
-    # blocked's two set-ups of a row (the small cases here take the per-lane
-    # one by default) ride along, one a pass.
-    budgets = [None, "0", "1024"]
-    for budget, rows in zip(budgets, ["shared", "lane", "auto"]):
-        os.environ["MS_DEFORM_ATTN_BLOCKED_ROWS"] = rows
-        if budget is None:
-            os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
-        else:
-            os.environ["MS_DEFORM_ATTN_SMEM_BUDGET"] = budget
+    for budget in (None, "0", "1024"):
+        set_env("MS_DEFORM_ATTN_SMEM_BUDGET", budget)
         for backend in backends:
-            for dtype, loc_dtype, d in cases():
-                value, shapes, start, loc, attn = make_inputs(
-                    2, 13, 3, d, [(5, 7), (3, 2), (1, 1)], 3, dtype, loc_dtype, outside=0.3,
-                    seed=count)
-                # Special locations on a third of the samples (made on the host).
-                special = torch.tensor(SPECIAL, dtype=torch.float64)
-                pick = torch.randint(0, len(SPECIAL), loc.shape)
-                mask = torch.rand(loc.shape) < 0.33
-                loc = torch.where(mask, special[pick], loc.double()).to(loc_dtype)
-                shapes, start = shapes.cuda(), start.cuda()
-                value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
-                levels = [(5, 7), (3, 2), (1, 1)]
-                if msda.backend_reason(backend, value, shapes, start, loc, attn,
-                                       spatial_shapes_list=levels):
-                    continue  # e.g. tma with float64 values
-                count += every_path(value, shapes, start, loc, attn, backend, levels)
-    os.environ.pop("MS_DEFORM_ATTN_BLOCKED_ROWS", None)
+            count = special_cases(backend, count)
+    set_env("MS_DEFORM_ATTN_SMEM_BUDGET", None)
+    # blocked's two set-ups of a row, each forced (the cases above, small,
+    # take the per-lane one by default).
+    if "blocked" in backends:
+        for rows in ("shared", "lane"):
+            set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", rows)
+            count = special_cases("blocked", count)
+        set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", None)
     # value head-major ((N, M, S, D) storage, read in place): every backend
     # (tma with its default boxes and with boxes of a few pixels) and path.
     levels = [(5, 7), (3, 2), (1, 1)]
     for budget in (None, "1024"):
-        if budget is None:
-            os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
-        else:
-            os.environ["MS_DEFORM_ATTN_SMEM_BUDGET"] = budget
+        set_env("MS_DEFORM_ATTN_SMEM_BUDGET", budget)
         for backend in backends:
             for dtype in (torch.bfloat16, torch.float32):
                 value, shapes, start, loc, attn = make_inputs(2, 13, 3, 32, levels, 3, dtype,
@@ -98,7 +110,7 @@ def main() -> int:
                 value = head_major(value.cuda()).requires_grad_()
                 loc, attn = [t.cuda().requires_grad_() for t in (loc, attn)]
                 count += every_path(value, shapes, start, loc, attn, backend, levels)
-    os.environ.pop("MS_DEFORM_ATTN_SMEM_BUDGET", None)
+    set_env("MS_DEFORM_ATTN_SMEM_BUDGET", None)
     # Crowded levels: the global sort's grad_value tiles split over several
     # warps, and the block-local path's crowded cells (its radix sort; bf16,
     # one and two 32-channel passes).
