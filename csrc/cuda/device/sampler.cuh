@@ -343,17 +343,10 @@ __device__ __forceinline__ void gather_slots_pipelined(const GroupLanes& g, int 
 // from its slots). fetch(pix) returns pixel pix's raw vector (fetch_corners).
 // kPipelined: gather_slots_pipelined, else gather_slots (the fused form,
 // whose point set-up leaves no registers for the pipeline).
-struct NoTouch {
-  template <typename C>
-  __device__ __forceinline__ void operator()(const C&) const {}
-};
-
-template <typename T, bool kPipelined, typename Points, typename A, int VEC, typename Fetch,
-          typename Touch = NoTouch>
+template <typename T, bool kPipelined, typename Points, typename A, int VEC, typename Fetch>
 __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, const Level* levels,
                                            const Points& pts, bool valid, bool active,
-                                           CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch,
-                                           Touch&& touch = {}) {
+                                           CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch) {
   const int LP = L * P;
   for (int i0 = 0; i0 < LP; i0 += g.lanes) {
     const int i = i0 + g.lane;
@@ -362,10 +355,8 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
       const Level lv = levels[l];
       A x, y, w;
       pts.load(lv, l, i, x, y, w);
-      const Corners<A> c = resolve_sample(x, y, lv.weight(w), lv.H, lv.W,
-                                          MapIndex{static_cast<int>(lv.start), lv.W});
-      slots.put(g.slot(g.lane), c);
-      touch(c);  // PROTOTYPE (lost): prefetch.global.L1 of the corner rows
+      slots.put(g.slot(g.lane), resolve_sample(x, y, lv.weight(w), lv.H, lv.W,
+                                               MapIndex{static_cast<int>(lv.start), lv.W}));
     }
     __syncwarp();
     const int count = min(g.lanes, LP - i0);

@@ -9,7 +9,6 @@
 // instead: every lane sets up its own points, no slots.
 #include "../device/sampler.cuh"
 #include "../launch.h"
-#include <cstdlib>
 
 namespace msda::cuda {
 namespace {
@@ -62,7 +61,7 @@ struct HeadPixels {
   }
 };
 
-template <typename T, typename LT, int VEC, bool kFused, bool kPf = false>
+template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
 __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     blocked_forward_kernel(const ForwardParams p, const int lanes, const int64_t qblocks) {
@@ -95,19 +94,8 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
       A acc[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-      const T* vc = value.base + (active ? c : 0);
       gather_row<T, !kFused>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc,
-                             value.at(active ? c : 0), [&](const Corners<A>& s) {
-                               // PROTOTYPE (lost): MSDA_PROTO_PF=1
-                               if constexpr (kPf) {
-#pragma unroll
-                                 for (int k = 0; k < 4; ++k) {
-                                   const int pix = k == 0 && s.pix[0] == kNoSample ? s.pix[1] : s.pix[k];
-                                   asm volatile("prefetch.global.L1 [%0];" ::"l"(
-                                       pixel_ptr(vc, pix, value.stride_bytes)));
-                                 }
-                               }
-                             });
+                             value.at(active ? c : 0));
       if (valid && active) store_vec<T, VEC>(out + c, acc);
     }
   };
@@ -206,12 +194,7 @@ struct Launch {
         return cudaGetLastError();
       }
     }
-    const char* pfe = getenv("MSDA_PROTO_PF");  // PROTOTYPE (lost)
-    if (pfe && pfe[0] == '1') {
-      blocked_forward_kernel<T, LT, VEC, false, true><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
-    } else {
-      blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
-    }
+    blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
     return cudaGetLastError();
   }
 };
