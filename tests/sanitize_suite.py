@@ -141,7 +141,7 @@ def main() -> int:
             out = msda.ms_deform_attn(value, shapes, start, loc, attn, deterministic=True)
             torch.autograd.grad(out, (value, loc, attn), torch.randn_like(out))
             count += 1
-    os.environ.pop("MS_DEFORM_ATTN_GRAD_VALUE", None)
+    set_env("MS_DEFORM_ATTN_GRAD_VALUE", None)
     torch.cuda.synchronize()
     print(f"sanitize suite: {count} forward+backward cases, backends {backends}")
     return 0

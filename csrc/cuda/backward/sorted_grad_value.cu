@@ -416,6 +416,7 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
   }
   if (threadIdx.x == 0) by_m = FastDiv(static_cast<uint32_t>(pb.M));
   __syncthreads();
+  const bool big_rounds = kHalf && *big != 0;  // pack_samples' flag
   __shared__ TileSmem smem[kWarps];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   TileSmem& sm = smem[warp];
@@ -565,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
           cur = nxt;
         }
       };
-      if (kHalf && *big != 0) {  // pack_samples' flag
+      if (big_rounds) {
         if constexpr (kHalf) rounds(std::true_type{});
       } else {
         rounds(std::false_type{});
