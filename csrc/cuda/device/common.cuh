@@ -143,11 +143,15 @@ __device__ __forceinline__ void load_xy(const LT* p, A (&xy)[2]) {
 
 // Address of pixel `pix` of a level whose pixel 0 is at `base`, at
 // `stride_bytes` bytes a pixel (< 4 GiB, checked by the binding): one
-// IMAD.WIDE.U32 (pix * stride + base) where element offsets cost four.
+// IMAD.WIDE.U32 (pix * stride + base) where element offsets cost four. The
+// product in PTX (mul.wide.u32): written in C++, the compiler hoists the
+// stride's widening out of the gather loops and then multiplies in 64 bits,
+// one more add a corner.
 template <typename T>
 __device__ __forceinline__ const T* pixel_ptr(const T* base, int pix, unsigned stride_bytes) {
-  const uint64_t addr = reinterpret_cast<uint64_t>(base) +
-                        static_cast<uint64_t>(static_cast<unsigned>(pix)) * stride_bytes;
+  uint64_t off;
+  asm("mul.wide.u32 %0, %1, %2;" : "=l"(off) : "r"(static_cast<unsigned>(pix)), "r"(stride_bytes));
+  const uint64_t addr = reinterpret_cast<uint64_t>(base) + off;
   return reinterpret_cast<const T*>(addr);
 }
 

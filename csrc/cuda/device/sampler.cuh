@@ -23,21 +23,25 @@ struct Corners {
 };
 
 // Shared-memory slots through which the lanes of a group hand each other
-// resolved samples: one slot per thread of the block, pixel indices and
-// weights in separate arrays. Where slot j of group g sits: see
-// GroupLanes::slot (no bank conflicts on the writes nor on the reads).
+// resolved samples: kSlotsPerWarp slots a warp, pixel indices and weights
+// in separate arrays. Where slot j of group g sits: see GroupLanes::slot (no
+// bank conflicts on the writes nor on the reads).
 template <typename A>
 struct __align__(4 * sizeof(A)) Weights4 {
   A v[4];
 };
+constexpr int kSlotsPerWarp = 48;
 template <typename A>
 struct CornerSlots {
   int4* pix;
   Weights4<A>* w;
-  static constexpr int64_t kBytesPerThread = sizeof(int4) + sizeof(Weights4<A>);
-  // Carves the slots of `threads` threads out of `mem` (16-byte aligned).
+  static constexpr int64_t kBytesPerThread =
+      kSlotsPerWarp * (sizeof(int4) + sizeof(Weights4<A>)) / 32;
+  // Carves the slots of `threads` threads (a multiple of 32) out of `mem`
+  // (16-byte aligned, kBytesPerThread * threads bytes).
   __device__ __forceinline__ CornerSlots(void* mem, int threads)
-      : pix(static_cast<int4*>(mem)), w(reinterpret_cast<Weights4<A>*>(pix + threads)) {}
+      : pix(static_cast<int4*>(mem)),
+        w(reinterpret_cast<Weights4<A>*>(pix + threads / 32 * kSlotsPerWarp)) {}
   __device__ __forceinline__ void put(int i, const Corners<A>& c) {
     pix[i] = make_int4(c.pix[0], c.pix[1], c.pix[2], c.pix[3]);
     w[i] = Weights4<A>{{c.w[0], c.w[1], c.w[2], c.w[3]}};
@@ -161,36 +165,33 @@ __device__ __forceinline__ void load_point(const LT* loc, const LT* attn, int i,
 // Where the `lanes` threads of a group (aligned inside a warp) stand: the
 // group's lane mask and the CornerSlots they hand samples through.
 struct GroupLanes {
-  int lane, lanes, groups;
-  int warp_base;  // the warp's first slot
-  int group;      // the group's index inside its warp
-  int rot_shift, rot_mul;  // rotation(j) = (j >> rot_shift) * rot_mul
+  int lane, lanes;
+  int first_slot;   // slot(0)
+  int slot_stride;  // slot(j + 1) - slot(j)
   unsigned mask;
 
-  // Slot of point j (lane j writes it, the whole group reads it): warp base
-  // + j * groups + (group + rotation(j)) mod groups. For one j the groups'
-  // slots are consecutive 16-byte words (the reads, every group at once, hit
-  // distinct banks); the rotation makes the 8 threads of each quarter-warp
-  // write 8 distinct 16-byte bank groups too (without it, lanes of 2-16
-  // write 2-4-way conflicts). Checked for every lane count by enumeration.
-  // rotation(j): j * 8 / lanes for 1-4 lanes, j / 2 for 8, j / 4 for 16
-  // (then taken mod groups = 2), nothing for 32.
-  __device__ __forceinline__ int slot(int j) const {
-    return warp_base + j * groups + ((group + (j >> rot_shift) * rot_mul) & (groups - 1));
-  }
+  // Slot of point j (lane j writes it, the whole group reads it): the warp's
+  // first slot + group + j * slot_stride, slot_stride = groups + max(8 /
+  // lanes, 1) (1 for 32 lanes). For one j the groups' slots are consecutive
+  // 16-byte words (the reads, every group at once, hit distinct banks); the
+  // stride's excess over `groups` makes the 8 threads of each quarter-warp
+  // write 8 distinct 16-byte bank groups (a stride of `groups` alone gives
+  // 2-4-way conflicts from 2 to 16 lanes). Checked for every lane count by
+  // enumeration; at most 47 slots a warp (16 lanes). Linear in j, so a
+  // gather steps through its slots by one addition a sample.
+  __device__ __forceinline__ int slot(int j) const { return first_slot + j * slot_stride; }
 };
 
 __device__ __forceinline__ GroupLanes group_lanes(int lane, int lanes) {
   const unsigned first = threadIdx.x - lane;  // the group's first thread
+  const int groups = 32 / lanes;
   GroupLanes g;
   g.lane = lane;
   g.lanes = lanes;
   g.mask = (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (first & 31u);
-  g.groups = 32 / lanes;
-  g.warp_base = static_cast<int>(threadIdx.x & ~31u);
-  g.group = static_cast<int>(first & 31u) / lanes;
-  g.rot_shift = lanes <= 4 ? 0 : lanes == 8 ? 1 : 2;
-  g.rot_mul = lanes <= 4 ? 8 / lanes : lanes <= 16 ? 1 : 0;
+  g.first_slot = static_cast<int>(threadIdx.x / 32) * kSlotsPerWarp +
+                 static_cast<int>(first & 31u) / lanes;
+  g.slot_stride = lanes == 32 ? 1 : groups + max(8 / lanes, 1);
   return g;
 }
 
@@ -348,9 +349,15 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
                                            const Points& pts, bool valid, bool active,
                                            CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch) {
   const int LP = L * P;
+  // Both tests once, held in registers (the empty asm): otherwise the
+  // compiler recomputes them from the 64-bit query index and D every round,
+  // and spills the index to have it.
+  int resolved = valid ? LP : 0;  // points this lane's group resolves
+  int gathers = valid && active;
+  asm("" : "+r"(resolved), "+r"(gathers));
   for (int i0 = 0; i0 < LP; i0 += g.lanes) {
     const int i = i0 + g.lane;
-    if (valid && i < LP) {
+    if (i < resolved) {
       const int l = i / P;
       const Level lv = levels[l];
       A x, y, w;
@@ -360,7 +367,7 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
     }
     __syncwarp();
     const int count = min(g.lanes, LP - i0);
-    if (valid && active) {
+    if (gathers) {
       if constexpr (kPipelined) {
         gather_slots_pipelined<T>(g, count, slots, acc, fetch);
       } else {
