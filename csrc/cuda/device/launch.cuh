@@ -7,6 +7,8 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 
@@ -57,13 +59,19 @@ cudaError_t launch_16_byte_vectors(const Params& p, cudaStream_t stream) {
 // Device figures the caching backends size their launches from.
 struct DeviceLimits {
   int sms = 0;
-  int smem_optin = 0;  // shared memory a block may opt in to
+  int smem_optin = 0;     // shared memory a block may opt in to
+  int smem_per_sm = 0;    // the most an SM's carve-out can hold
+  int smem_reserved = 0;  // taken by the system from each resident block
 };
 
 inline cudaError_t query_device_limits(int dev, DeviceLimits& d) {
   cudaError_t err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
   if (err == cudaSuccess)
     err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&d.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&d.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
   return err;
 }
 
@@ -81,6 +89,43 @@ inline cudaError_t device_limits(DeviceLimits& d) {
   std::call_once(once[dev], [dev] { status[dev] = query_device_limits(dev, cached[dev]); });
   d = cached[dev];
   return status[dev];
+}
+
+// The shared-memory carve-out that `blocks` resident blocks of kKernel need
+// (its static shared memory, `dynamic` bytes and the system's reservation
+// each), in percent of the most an SM can hold, rounded up: the driver
+// takes the smallest configuration that holds it, and the rest of the SM's
+// unified memory is L1. Left to itself the driver sizes the carve-out for
+// as many blocks as the SM's thread limit allows, not for the
+// register-bound count the kernel runs at (docs/performance.md). The
+// attribute is set again only when the figure changes (one kernel launched
+// with several block sizes).
+template <auto kKernel>
+cudaError_t fit_carveout(int blocks, int64_t dynamic = 0) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  constexpr int kMaxDevices = 64;
+  if (dev < 0 || dev >= kMaxDevices) return cudaSuccess;  // a hint: left to the driver
+  static std::once_flag once[kMaxDevices];
+  static int static_bytes[kMaxDevices];
+  static cudaError_t status[kMaxDevices];
+  static std::atomic<int> last[kMaxDevices];
+  std::call_once(once[dev], [dev] {
+    cudaFuncAttributes attr;
+    status[dev] = cudaFuncGetAttributes(&attr, kKernel);
+    static_bytes[dev] = static_cast<int>(attr.sharedSizeBytes);
+    last[dev] = -1;  // the driver's default
+  });
+  if (status[dev] != cudaSuccess) return status[dev];
+  DeviceLimits d;
+  err = device_limits(d);
+  if (err != cudaSuccess || d.smem_per_sm <= 0) return err;
+  const int64_t need = blocks * (static_bytes[dev] + dynamic + d.smem_reserved);
+  const int pct =
+      static_cast<int>(std::min<int64_t>(100, (100 * need + d.smem_per_sm - 1) / d.smem_per_sm));
+  if (last[dev].exchange(pct) == pct) return cudaSuccess;
+  return cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout, pct);
 }
 
 // Division of a 31-bit numerator by a divisor fixed at launch: a multiply-

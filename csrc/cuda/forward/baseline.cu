@@ -59,11 +59,17 @@ struct Launch {
     if (p.ref != nullptr) {
       // The fused operator sends no fp64 values here (fused_forward_cuda).
       if constexpr (std::is_same_v<acc_t<T>, float>) {
+        const cudaError_t err =
+            fit_carveout<baseline_forward_kernel<T, LT, VEC, true>>(kForwardBlocksPerSm);
+        if (err != cudaSuccess) return err;
         baseline_forward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
     }
+    const cudaError_t err =
+        fit_carveout<baseline_forward_kernel<T, LT, VEC, false>>(kForwardBlocksPerSm);
+    if (err != cudaSuccess) return err;
     baseline_forward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
     return cudaGetLastError();
   }

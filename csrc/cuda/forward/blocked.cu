@@ -172,9 +172,12 @@ struct Launch {
     }
     const int64_t qblocks = qblocks_for(threads);
     const auto blocks = static_cast<unsigned>(qblocks * pb.N * pb.M);  // < 2^31: the predicate
+    const int resident = kForwardBlocksPerSm * kThreads / threads;  // an SM, by the register cap
     if (p.ref != nullptr) {
       // The fused operator sends no fp64 values here (fused_forward_cuda).
       if constexpr (std::is_same_v<acc_t<T>, float>) {
+        err = fit_carveout<blocked_forward_kernel<T, LT, VEC, true>>(resident);
+        if (err != cudaSuccess) return err;
         blocked_forward_kernel<T, LT, VEC, true><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
         return cudaGetLastError();
       }
@@ -188,12 +191,17 @@ struct Launch {
       if (split > 0) {
         const int64_t rows = threads / (lanes * split);  // threads >= 32 >= lanes * split
         const int64_t row_blocks = (pb.Lq + rows - 1) / rows;
+        err = fit_carveout<blocked_lane_rows_kernel<T, LT, VEC>>(kLaneRowBlocksPerSm * kThreads /
+                                                                 threads);
+        if (err != cudaSuccess) return err;
         blocked_lane_rows_kernel<T, LT, VEC>
             <<<static_cast<unsigned>(row_blocks * pb.N * pb.M), threads, 0, stream>>>(
                 p, lanes, split, row_blocks);
         return cudaGetLastError();
       }
     }
+    err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(resident);
+    if (err != cudaSuccess) return err;
     blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
     return cudaGetLastError();
   }
