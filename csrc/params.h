@@ -52,12 +52,6 @@ struct ForwardParams {
   int64_t smem_budget = -1;                // shared-memory bytes a caching backend may use (-1: its default)
   BlockedRows blocked_rows = BlockedRows::automatic;  // `blocked`'s set-up (a test hook)
   const int64_t* host_shapes = nullptr;    // (L, 2) (H, W) in host memory when pb.host_shapes
-  // `blocked` (set by its launcher): with patch_blocks > 0 a block of an
-  // (n, m) holds a 2^patch_log2w x 2^patch_log2h patch of one level's pixels
-  // as its queries (queries that are the pixels, level by level in raster
-  // order, as in an encoder), patch_blocks blocks an (n, m).
-  int64_t patch_blocks = 0;
-  int patch_log2w = 0, patch_log2h = 0;
   // ms_deform_attn_fused (baseline, blocked): with ref set, loc holds the
   // sampling offsets, attn the attention logits, and ref the reference
   // points (N, Lq, L, ref_dim) in float32, ref_dim 2 (points) or 4 (boxes).

@@ -42,30 +42,6 @@ constexpr int lane_row_split(int64_t rows, int lanes, int points, int sms, bool 
   return split;
 }
 
-// `blocked`'s query patches: where the queries are the pixels of the levels
-// (Lq == S, the shapes known on the host), a block of `rows` (a power of two)
-// rows takes a 2-d patch of one level, 2^log2w wide and 2^log2h high (log2w
-// >= log2h), instead of `rows` consecutive queries (a strip of one image
-// row): the samples of a patch's queries share more corner rows in L1
-// (docs/performance.md). Returns the blocks an (n, m): each level's patches,
-// partial ones at the right and bottom edges included.
-struct QueryPatch {
-  int log2w = 0, log2h = 0;
-};
-inline QueryPatch query_patch(int rows) {
-  int k = 0;
-  while ((1 << (k + 1)) <= rows) ++k;
-  return QueryPatch{k - k / 2, k / 2};
-}
-inline int64_t patch_blocks(const int64_t* shapes, int L, QueryPatch q) {
-  int64_t blocks = 0;
-  for (int l = 0; l < L; ++l) {
-    const int64_t H = shapes[2 * l], W = shapes[2 * l + 1];
-    blocks += ((H + (1 << q.log2h) - 1) >> q.log2h) * ((W + (1 << q.log2w) - 1) >> q.log2w);
-  }
-  return blocks;
-}
-
 // backward_kernel (FFMA dots, atomic or key-writing): where the groups alone
 // give fewer than kFillThreadsPerSm threads an SM (the decoders), a group's
 // samples are split into tasks.

@@ -7,8 +7,6 @@
 // the locations and the softmax from the offsets and logits. Where the rows
 // give few warps (the decoders), blocked_lane_rows_kernel takes them
 // instead: every lane sets up its own points, no slots.
-#include <cstdlib>
-
 #include "../device/sampler.cuh"
 #include "../launch.h"
 
@@ -20,16 +18,10 @@ namespace {
 constexpr int kMinBlockThreads = 64;
 
 // Where a (query, head) row of both kernels lives. Block b holds `rows`
-// rows of (n, m) = divmod(b / qblocks, M): by default (strips) its row r is
-// query qb * rows + r, qb = b % qblocks; with query patches
-// (ForwardParams::patch_blocks, qblocks = patch_blocks) block qb is a patch
-// of one level's pixels, found from the device's level table, row r at (r
-// mod width, r / width) in it. Should that table not give the host's count
-// of patches (shapes that differ from the host's list; a poisoned table),
-// the block takes the strip qb instead: patch_blocks >= the strips, so every
-// query still has its row. A row past the last query or outside its level
-// (valid false) stands in for the last query, so that its threads still run
-// the kernel's warp-wide steps; it must store nothing.
+// consecutive queries of (n, m) = divmod(b / qblocks, M); its row r is query
+// qb * rows + r, qb = b % qblocks. A row past the last query (valid false)
+// stands in for the last one, so that its threads still run the kernel's
+// warp-wide steps; it must store nothing.
 template <typename LT>
 struct RowSite {
   bool valid;
@@ -38,50 +30,17 @@ struct RowSite {
   QueryRow<LT> points;
 };
 
-// Query of row `row` of patch `qb` (see RowSite), -1 where that is outside
-// its level, -2 where the table disagrees with the host's patch count.
-__device__ __forceinline__ int64_t patch_query(const ForwardParams& p, const Level* levels,
-                                               int64_t qb, int row) {
-  const int lw = p.patch_log2w, lh = p.patch_log2h;
-  const int b = static_cast<int>(qb);  // < patch_blocks < 2^31
-  int64_t first = 0;
-  int level = 0, at = 0, cols_at = 1;  // qb's level, its patch there, that level's columns
-  for (int l = 0; l < p.pb.L; ++l) {
-    const int cols = (levels[l].W + (1 << lw) - 1) >> lw;
-    const int count = ((levels[l].H + (1 << lh) - 1) >> lh) * cols;  // <= H W < 2^31
-    if (b >= first && b - first < count) {
-      level = l;
-      at = b - static_cast<int>(first);
-      cols_at = cols;
-    }
-    first += count;
-  }
-  if (first != p.patch_blocks) return -2;
-  const Level& lv = levels[level];
-  const int y = (at / cols_at << lh) + (row >> lw);
-  const int x = (at % cols_at << lw) + (row & ((1 << lw) - 1));
-  return y < lv.H && x < lv.W ? lv.start + int64_t(y) * lv.W + x : -1;
-}
-
 template <typename LT>
-__device__ __forceinline__ RowSite<LT> row_site(const ForwardParams& p, const Level* levels,
-                                                int rows, int row, int64_t qblocks) {
+__device__ __forceinline__ RowSite<LT> row_site(const ForwardParams& p, int rows, int row,
+                                                int64_t qblocks) {
   const Problem& pb = p.pb;
   const int64_t qb = blockIdx.x % qblocks, nm = blockIdx.x / qblocks;
-  int64_t q_at = qb * rows + row;
-  bool valid = q_at < pb.Lq;
-  if (p.patch_blocks > 0) {
-    const int64_t q = patch_query(p, levels, qb, row);
-    if (q != -2) {
-      valid = q >= 0;
-      q_at = q;
-    }
-  }
+  const int64_t q_at = qb * rows + row;
   RowSite<LT> r;
-  r.valid = valid;
+  r.valid = q_at < pb.Lq;
   r.m = nm % pb.M;
   r.n = nm / pb.M;
-  r.group = (r.n * pb.Lq + (valid ? q_at : pb.Lq - 1)) * pb.M + r.m;
+  r.group = (r.n * pb.Lq + (r.valid ? q_at : pb.Lq - 1)) * pb.M + r.m;
   r.points = query_row<LT>(p, r.group);
   return r;
 }
@@ -102,9 +61,9 @@ struct HeadPixels {
   }
 };
 
-template <typename T, typename LT, int VEC, bool kFused, int kBlocks = kForwardBlocksPerSm>
+template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
-__global__ void __launch_bounds__(kThreads, kBlocks)
+__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     blocked_forward_kernel(const ForwardParams p, const int lanes, const int64_t qblocks) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
@@ -117,7 +76,7 @@ __global__ void __launch_bounds__(kThreads, kBlocks)
   // that every warp syncs whole: a partial-mask __syncwarp costs a
   // convergence check each time.
   const int lane = static_cast<int>(threadIdx.x) % lanes;
-  const auto site = row_site<LT>(p, levels, static_cast<int>(blockDim.x) / lanes,
+  const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) / lanes,
                                  static_cast<int>(threadIdx.x) / lanes, qblocks);
   const bool valid = site.valid;
   const auto [loc, attn] = site.points;
@@ -165,9 +124,7 @@ __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
   const int row_threads = lanes * split;  // a power of two <= 32: a row never straddles a warp
   const int t = static_cast<int>(threadIdx.x) % row_threads;
   const int lane = t % lanes, part = t / lanes;
-  // No query patches here (the launcher's choice): the level table is not
-  // loaded yet.
-  const auto site = row_site<LT>(p, nullptr, static_cast<int>(blockDim.x) / row_threads,
+  const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) / row_threads,
                                  static_cast<int>(threadIdx.x) / row_threads, qblocks);
   LaneRow<T, kLaneRowPoints, LT, A> row{{site.points.loc, site.points.attn}, pb.L, pb.P,
                                         part * kLaneRowPoints, split * kLaneRowPoints};
@@ -213,28 +170,15 @@ struct Launch {
            qblocks_for(threads) * pb.N * pb.M < 2 * int64_t(d.sms)) {
       threads /= 2;
     }
-    // Query patches where the queries are the levels' pixels (QueryPatch,
-    // launch_shapes.h); blocked_lane_rows_kernel takes none.
-    ForwardParams pp = p;
-    int64_t qblocks = qblocks_for(threads);
-    const char* proto = std::getenv("MSDA_PROTO_PATCH");
-    if (p.host_shapes != nullptr && pb.Lq == pb.S && !(proto != nullptr && proto[0] == '0')) {
-      const QueryPatch qp = query_patch(threads / lanes);
-      const int64_t patches = patch_blocks(p.host_shapes, pb.L, qp);
-      if (patches * pb.N * pb.M < INT32_MAX) {
-        pp.patch_blocks = patches;
-        pp.patch_log2w = qp.log2w;
-        pp.patch_log2h = qp.log2h;
-      }
-    }
-    const int64_t pqblocks = pp.patch_blocks > 0 ? pp.patch_blocks : qblocks;
-    const auto blocks = static_cast<unsigned>(pqblocks * pb.N * pb.M);  // < 2^31: the predicate
+    const int64_t qblocks = qblocks_for(threads);
+    const auto blocks = static_cast<unsigned>(qblocks * pb.N * pb.M);  // < 2^31: the predicate
+    const int resident = kForwardBlocksPerSm * kThreads / threads;  // an SM, by the register cap
     if (p.ref != nullptr) {
       // The fused operator sends no fp64 values here (fused_forward_cuda).
       if constexpr (std::is_same_v<acc_t<T>, float>) {
-        err = fit_carveout<blocked_forward_kernel<T, LT, VEC, true>>(kForwardBlocksPerSm * kThreads / threads);
+        err = fit_carveout<blocked_forward_kernel<T, LT, VEC, true>>(resident);
         if (err != cudaSuccess) return err;
-        blocked_forward_kernel<T, LT, VEC, true><<<blocks, threads, 0, stream>>>(pp, lanes, pqblocks);
+        blocked_forward_kernel<T, LT, VEC, true><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
@@ -247,7 +191,8 @@ struct Launch {
       if (split > 0) {
         const int64_t rows = threads / (lanes * split);  // threads >= 32 >= lanes * split
         const int64_t row_blocks = (pb.Lq + rows - 1) / rows;
-        err = fit_carveout<blocked_lane_rows_kernel<T, LT, VEC>>(kLaneRowBlocksPerSm * kThreads / threads);
+        err = fit_carveout<blocked_lane_rows_kernel<T, LT, VEC>>(kLaneRowBlocksPerSm * kThreads /
+                                                                 threads);
         if (err != cudaSuccess) return err;
         blocked_lane_rows_kernel<T, LT, VEC>
             <<<static_cast<unsigned>(row_blocks * pb.N * pb.M), threads, 0, stream>>>(
@@ -255,29 +200,9 @@ struct Launch {
         return cudaGetLastError();
       }
     }
-    if constexpr (std::is_same_v<T, float> && VEC == 4) {
-      // prototype: fp32 in 8-byte lanes (twice the lanes) at more blocks an SM
-      if (const char* e = std::getenv("MSDA_PROTO_V2"); e != nullptr && e[0] != '0') {
-        const int lanes2 = lanes_for(pb.D, 2);
-        const int64_t groups2 = threads / lanes2;
-        const int64_t qb2 = (pb.Lq + groups2 - 1) / groups2;
-        const auto blocks2 = static_cast<unsigned>(qb2 * pb.N * pb.M);
-        if (e[0] == '6') {
-          err = fit_carveout<blocked_forward_kernel<T, LT, 2, false, 6>>(6 * kThreads / threads);
-          blocked_forward_kernel<T, LT, 2, false, 6><<<blocks2, threads, 0, stream>>>(p, lanes2, qb2);
-        } else if (e[0] == '8') {
-          err = fit_carveout<blocked_forward_kernel<T, LT, 2, false, 8>>(8 * kThreads / threads);
-          blocked_forward_kernel<T, LT, 2, false, 8><<<blocks2, threads, 0, stream>>>(p, lanes2, qb2);
-        } else {
-          err = fit_carveout<blocked_forward_kernel<T, LT, 2, false, 5>>(5 * kThreads / threads);
-          blocked_forward_kernel<T, LT, 2, false, 5><<<blocks2, threads, 0, stream>>>(p, lanes2, qb2);
-        }
-        return err != cudaSuccess ? err : cudaGetLastError();
-      }
-    }
-    err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(kForwardBlocksPerSm * kThreads / threads);
+    err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(resident);
     if (err != cudaSuccess) return err;
-    blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(pp, lanes, pqblocks);
+    blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
     return cudaGetLastError();
   }
 };
