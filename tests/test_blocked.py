@@ -70,11 +70,11 @@ def test_rows_override_is_checked(monkeypatch):
     (torch.float32, 8, 500, "blocked"), (torch.float32, 8, 100, "blocked"),
     (torch.bfloat16, 8, 500, "blocked"), (torch.bfloat16, 8, 100, "blocked"),
     (torch.float16, 8, 500, "blocked"), (torch.float16, 2, 100, "blocked"),
-    (torch.float64, 8, 100, "baseline"), (torch.float32, 1, 500, "baseline"),
-    (torch.bfloat16, 1, 100, "baseline")])
+    (torch.float64, 8, 100, "baseline"), (torch.float32, 1, 500, "blocked"),
+    (torch.bfloat16, 1, 100, "baseline"), (torch.float16, 1, 100, "baseline")])
 def test_auto_choice(dtype, m, lq, expected):
-    # BENCHMARKS.md's auto table: blocked wins with several heads in fp32,
-    # bf16 and fp16, baseline with one head.
+    # BENCHMARKS.md's auto table: blocked wins in fp32, and with several
+    # heads in bf16 and fp16; baseline with one 16-bit head.
     inputs = make_inputs(1, lq, m, 32, SHAPES, 4, dtype, torch.float32, device="cuda")
     assert msda.select_backend(*inputs) == expected
 
