@@ -92,8 +92,7 @@ inline cudaError_t device_limits(DeviceLimits& d) {
 }
 
 // The shared-memory carve-out that `blocks` resident blocks of kKernel need
-// (its static shared memory, `dynamic` bytes and the system's reservation
-// each), in percent of the most an SM can hold, rounded up: the driver
+// (its static shared memory and the system's reservation each), in percent of the most an SM can hold, rounded up: the driver
 // takes the smallest configuration that holds it, and the rest of the SM's
 // unified memory is L1. Left to itself the driver sizes the carve-out for
 // as many blocks as the SM's thread limit allows, not for the
@@ -101,7 +100,7 @@ inline cudaError_t device_limits(DeviceLimits& d) {
 // attribute is set again only when the figure changes (one kernel launched
 // with several block sizes).
 template <auto kKernel>
-cudaError_t fit_carveout(int blocks, int64_t dynamic = 0) {
+cudaError_t fit_carveout(int blocks) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
@@ -121,7 +120,7 @@ cudaError_t fit_carveout(int blocks, int64_t dynamic = 0) {
   DeviceLimits d;
   err = device_limits(d);
   if (err != cudaSuccess || d.smem_per_sm <= 0) return err;
-  const int64_t need = blocks * (static_bytes[dev] + dynamic + d.smem_reserved);
+  const int64_t need = int64_t(blocks) * (static_bytes[dev] + d.smem_reserved);
   const int pct =
       static_cast<int>(std::min<int64_t>(100, (100 * need + d.smem_per_sm - 1) / d.smem_per_sm));
   if (last[dev].exchange(pct) == pct) return cudaSuccess;
