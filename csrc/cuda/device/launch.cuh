@@ -92,13 +92,13 @@ inline cudaError_t device_limits(DeviceLimits& d) {
 }
 
 // The shared-memory carve-out that `blocks` resident blocks of kKernel need
-// (its static shared memory and the system's reservation each), in percent of the most an SM can hold, rounded up: the driver
-// takes the smallest configuration that holds it, and the rest of the SM's
-// unified memory is L1. Left to itself the driver sizes the carve-out for
-// as many blocks as the SM's thread limit allows, not for the
-// register-bound count the kernel runs at (docs/performance.md). The
-// attribute is set again only when the figure changes (one kernel launched
-// with several block sizes).
+// (its static shared memory and the system's reservation each), in percent
+// of the most an SM can hold, rounded up: the driver takes the smallest
+// configuration that holds it, and the rest of the SM's unified memory is
+// L1. Left to itself the driver sizes the carve-out for as many blocks as
+// the SM's thread limit allows, not for the register-bound count the kernel
+// runs at (docs/performance.md). The attribute is set again only when the
+// figure changes (one kernel launched with several block sizes).
 template <auto kKernel>
 cudaError_t fit_carveout(int blocks) {
   int dev = 0;
