@@ -379,6 +379,64 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
   }
 }
 
+// PROTOTYPE (MSDA_PROTO_AHEAD): the row's locations and weights ahead of
+// the round that resolves them. kAhead 1 / 2: every line of the row's
+// locations and weights prefetched into L2 / L1 at the kernel's start;
+// kAhead 3: round 0's point loaded before the level table's barrier
+// (`first`), round r + 1's before round r's gather, in registers.
+template <int kAhead, typename LT>
+__device__ __forceinline__ void prefetch_row(const RowPoints<LT>& pts, int LP, int lane, int lanes) {
+  const uintptr_t l0 = reinterpret_cast<uintptr_t>(pts.loc) & ~uintptr_t(127);
+  const uintptr_t l1 = reinterpret_cast<uintptr_t>(pts.loc + 2 * LP - 1) & ~uintptr_t(127);
+  const uintptr_t a0 = reinterpret_cast<uintptr_t>(pts.attn) & ~uintptr_t(127);
+  const uintptr_t a1 = reinterpret_cast<uintptr_t>(pts.attn + LP - 1) & ~uintptr_t(127);
+  const int nl = static_cast<int>((l1 - l0) / 128) + 1, na = static_cast<int>((a1 - a0) / 128) + 1;
+  for (int k = lane; k < nl + na; k += lanes) {
+    const uintptr_t a = k < nl ? l0 + uintptr_t(k) * 128 : a0 + uintptr_t(k - nl) * 128;
+    if constexpr (kAhead == 1) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+    } else {
+      asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
+    }
+  }
+}
+
+template <typename A>
+struct PointAhead {
+  A x, y, w;
+};
+
+template <typename T, typename LT, typename A, int VEC, typename Fetch>
+__device__ __forceinline__ void gather_row_ahead(const GroupLanes& g, int L, int P,
+                                                 const Level* levels, const RowPoints<LT>& pts,
+                                                 bool valid, bool active, CornerSlots<A> slots,
+                                                 A (&acc)[VEC], PointAhead<A>& nx, Fetch&& fetch,
+                                                 const LT* next_loc = nullptr,
+                                                 const LT* next_attn = nullptr) {
+  const int LP = L * P;
+  int resolved = valid ? LP : 0;
+  int gathers = valid && active;
+  asm("" : "+r"(resolved), "+r"(gathers));
+  for (int i0 = 0; i0 < LP; i0 += g.lanes) {
+    const int i = i0 + g.lane;
+    if (i < resolved) {
+      const int l = i / P;
+      const Level lv = levels[l];
+      slots.put(g.slot(g.lane), resolve_sample(nx.x, nx.y, lv.weight(nx.w), lv.H, lv.W,
+                                               MapIndex{static_cast<int>(lv.start), lv.W}));
+    }
+    if (i0 + g.lanes >= LP) {
+      if (next_loc != nullptr && g.lane < LP) load_point(next_loc, next_attn, g.lane, nx.x, nx.y, nx.w);
+    } else if (i + g.lanes < resolved) {
+      load_point(pts.loc, pts.attn, i + g.lanes, nx.x, nx.y, nx.w);
+    }
+    __syncwarp();
+    const int count = min(g.lanes, LP - i0);
+    if (gathers) gather_slots_pipelined<T>(g, count, slots, acc, fetch);
+    __syncwarp();
+  }
+}
+
 // A row gathered with per-lane set-up (the `blocked` forward where warps
 // are few: BlockedRows, params.h): no slots and no warp syncs; every lane
 // resolves each of its points itself (the set-up repeated on the lanes of a
