@@ -336,18 +336,35 @@ __device__ __forceinline__ void gather_slots_pipelined(const GroupLanes& g, int 
   add_corners<T, VEC>(acc, cur, v);
 }
 
+// A lane's point of a row (location and weight), loaded a round before
+// the round that resolves it (gather_row's kAhead form).
+template <typename A>
+struct LanePoint {
+  A x, y, w;
+  template <typename LT>
+  __device__ __forceinline__ void load(const RowPoints<LT>& pts, int i) {
+    load_point(pts.loc, pts.attn, i, x, y, w);
+  }
+};
+
 // The same for a whole row at once (the `blocked` forward): lane j resolves
 // point i0 + j of the row's L * P points, across levels, so that no lane
 // idles where P < lanes; corners are numbered by their pixel in the whole
-// map (MapIndex). `valid` false for a group
-// that stands in only so that its warp syncs whole (no loads, nothing read
-// from its slots). fetch(pix) returns pixel pix's raw vector (fetch_corners).
-// kPipelined: gather_slots_pipelined, else gather_slots (the fused form,
-// whose point set-up leaves no registers for the pipeline).
-template <typename T, bool kPipelined, typename Points, typename A, int VEC, typename Fetch>
+// map (MapIndex). `valid` false for a group that stands in only so that its
+// warp syncs whole (no loads, nothing read from its slots). fetch(pix)
+// returns pixel pix's raw vector (fetch_corners).
+// kAhead (RowPoints): `next` holds the lane's point of the first round (a
+// kernel can issue its load before its barrier on the level table, which
+// the load does not need); each round loads the next round's point before
+// its gather, so that the locations' latency waits under the corner loads.
+// The gather is gather_slots_pipelined. Without kAhead (the fused form: its
+// points need the level table, and its set-up leaves no registers for the
+// pipeline): each round loads its points, gather_slots; `next` unused.
+template <typename T, bool kAhead, typename Points, typename A, int VEC, typename Fetch>
 __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, const Level* levels,
                                            const Points& pts, bool valid, bool active,
-                                           CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch) {
+                                           CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch,
+                                           LanePoint<A> next) {
   const int LP = L * P;
   // Both tests once, held in registers (the empty asm): otherwise the
   // compiler recomputes them from the 64-bit query index and D every round,
@@ -360,15 +377,18 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
     if (i < resolved) {
       const int l = i / P;
       const Level lv = levels[l];
-      A x, y, w;
-      pts.load(lv, l, i, x, y, w);
-      slots.put(g.slot(g.lane), resolve_sample(x, y, lv.weight(w), lv.H, lv.W,
+      LanePoint<A> pt = next;
+      if constexpr (!kAhead) pts.load(lv, l, i, pt.x, pt.y, pt.w);
+      slots.put(g.slot(g.lane), resolve_sample(pt.x, pt.y, lv.weight(pt.w), lv.H, lv.W,
                                                MapIndex{static_cast<int>(lv.start), lv.W}));
+    }
+    if constexpr (kAhead) {
+      if (i + g.lanes < resolved) next.load(pts, i + g.lanes);
     }
     __syncwarp();
     const int count = min(g.lanes, LP - i0);
     if (gathers) {
-      if constexpr (kPipelined) {
+      if constexpr (kAhead) {
         gather_slots_pipelined<T>(g, count, slots, acc, fetch);
       } else {
         gather_slots(g, count, slots, acc,
@@ -376,64 +396,6 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
       }
     }
     __syncwarp();  // slots are rewritten by the next points
-  }
-}
-
-// PROTOTYPE (MSDA_PROTO_AHEAD): the row's locations and weights ahead of
-// the round that resolves them. kAhead 1 / 2: every line of the row's
-// locations and weights prefetched into L2 / L1 at the kernel's start;
-// kAhead 3: round 0's point loaded before the level table's barrier
-// (`first`), round r + 1's before round r's gather, in registers.
-template <int kAhead, typename LT>
-__device__ __forceinline__ void prefetch_row(const RowPoints<LT>& pts, int LP, int lane, int lanes) {
-  const uintptr_t l0 = reinterpret_cast<uintptr_t>(pts.loc) & ~uintptr_t(127);
-  const uintptr_t l1 = reinterpret_cast<uintptr_t>(pts.loc + 2 * LP - 1) & ~uintptr_t(127);
-  const uintptr_t a0 = reinterpret_cast<uintptr_t>(pts.attn) & ~uintptr_t(127);
-  const uintptr_t a1 = reinterpret_cast<uintptr_t>(pts.attn + LP - 1) & ~uintptr_t(127);
-  const int nl = static_cast<int>((l1 - l0) / 128) + 1, na = static_cast<int>((a1 - a0) / 128) + 1;
-  for (int k = lane; k < nl + na; k += lanes) {
-    const uintptr_t a = k < nl ? l0 + uintptr_t(k) * 128 : a0 + uintptr_t(k - nl) * 128;
-    if constexpr (kAhead == 1) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-    } else {
-      asm volatile("prefetch.global.L1 [%0];" ::"l"(a));
-    }
-  }
-}
-
-template <typename A>
-struct PointAhead {
-  A x, y, w;
-};
-
-template <typename T, typename LT, typename A, int VEC, typename Fetch>
-__device__ __forceinline__ void gather_row_ahead(const GroupLanes& g, int L, int P,
-                                                 const Level* levels, const RowPoints<LT>& pts,
-                                                 bool valid, bool active, CornerSlots<A> slots,
-                                                 A (&acc)[VEC], PointAhead<A>& nx, Fetch&& fetch,
-                                                 const LT* next_loc = nullptr,
-                                                 const LT* next_attn = nullptr) {
-  const int LP = L * P;
-  int resolved = valid ? LP : 0;
-  int gathers = valid && active;
-  asm("" : "+r"(resolved), "+r"(gathers));
-  for (int i0 = 0; i0 < LP; i0 += g.lanes) {
-    const int i = i0 + g.lane;
-    if (i < resolved) {
-      const int l = i / P;
-      const Level lv = levels[l];
-      slots.put(g.slot(g.lane), resolve_sample(nx.x, nx.y, lv.weight(nx.w), lv.H, lv.W,
-                                               MapIndex{static_cast<int>(lv.start), lv.W}));
-    }
-    if (i0 + g.lanes >= LP) {
-      if (next_loc != nullptr && g.lane < LP) load_point(next_loc, next_attn, g.lane, nx.x, nx.y, nx.w);
-    } else if (i + g.lanes < resolved) {
-      load_point(pts.loc, pts.attn, i + g.lanes, nx.x, nx.y, nx.w);
-    }
-    __syncwarp();
-    const int count = min(g.lanes, LP - i0);
-    if (gathers) gather_slots_pipelined<T>(g, count, slots, acc, fetch);
-    __syncwarp();
   }
 }
 

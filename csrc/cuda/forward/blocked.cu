@@ -32,10 +32,9 @@ struct RowSite {
 
 template <typename LT>
 __device__ __forceinline__ RowSite<LT> row_site(const ForwardParams& p, int rows, int row,
-                                                int64_t qblocks, int64_t b = -1) {
+                                                int64_t qblocks) {
   const Problem& pb = p.pb;
-  if (b < 0) b = blockIdx.x;
-  const int64_t qb = b % qblocks, nm = b / qblocks;
+  const int64_t qb = blockIdx.x % qblocks, nm = blockIdx.x / qblocks;
   const int64_t q_at = qb * rows + row;
   RowSite<LT> r;
   r.valid = q_at < pb.Lq;
@@ -62,7 +61,7 @@ struct HeadPixels {
   }
 };
 
-template <typename T, typename LT, int VEC, bool kFused, int kAhead = 0>
+template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
 __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     blocked_forward_kernel(const ForwardParams p, const int lanes, const int64_t qblocks) {
@@ -76,18 +75,16 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   const int lane = static_cast<int>(threadIdx.x) % lanes;
   const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) / lanes,
                                  static_cast<int>(threadIdx.x) / lanes, qblocks);
-  PointAhead<A> first{A(0), A(0), A(0)};
-  if constexpr (kAhead == 1 || kAhead == 2) {
-    if (site.valid) prefetch_row<kAhead>(RowPoints<LT>{site.points.loc, site.points.attn},
-                                         pb.L * pb.P, lane, lanes);
-  } else if constexpr (kAhead == 3) {
-    if (site.valid && lane < pb.L * pb.P)
-      load_point(site.points.loc, site.points.attn, lane, first.x, first.y, first.w);
+  const bool valid = site.valid;
+  const auto [loc, attn] = site.points;
+  // The lane's first point, loaded under the level table's load (gather_row's
+  // kAhead form; the fused form's points need the table).
+  LanePoint<A> next{A(0), A(0), A(0)};
+  if constexpr (!kFused) {
+    if (valid && lane < pb.L * pb.P) next.load(RowPoints<LT>{loc, attn}, lane);
   }
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
-  const bool valid = site.valid;
-  const auto [loc, attn] = site.points;
   const HeadPixels<T, VEC> value(p, site.n, site.m);
   T* out = static_cast<T*>(p.out) + site.group * pb.D;
   const CornerSlots<A> slots(slot_mem, kThreads);
@@ -102,13 +99,12 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
       A acc[VEC];
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-      if constexpr (kAhead == 3 && !kFused) {
-        gather_row_ahead<T>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc, first,
-                            value.at(active ? c : 0));
-      } else {
-        gather_row<T, !kFused>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc,
-                               value.at(active ? c : 0));
+      if constexpr (!kFused) {
+        // A pass past the first starts the row again (D > lanes * VEC only).
+        if (c0 > 0 && valid && lane < pb.L * pb.P) next.load(pts, lane);
       }
+      gather_row<T, !kFused>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc,
+                             value.at(active ? c : 0), next);
       if (valid && active) store_vec<T, VEC>(out + c, acc);
     }
   };
@@ -119,83 +115,6 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     row(FusedPoints<LT>{loc, attn, ref, p.ref_dim, 0.5f / float(pb.P), max, inv_sum});
   } else {
     row(RowPoints<LT>{loc, attn});
-  }
-}
-
-__device__ unsigned g_proto_tiles[2];  // prototype only: not safe across concurrent launches
-
-// PROTOTYPE (MSDA_PROTO_WAVES): blocked_forward_kernel's rows (kAhead 3)
-// with each block taking tiles b, b + gridDim.x, ... (`tiles` in all): the
-// level table once a block, the next tile's first points loaded during the
-// current tile's last round. D within one channel pass.
-template <typename T, typename LT, int VEC>
-__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
-    blocked_forward_loop_kernel(const ForwardParams p, const int lanes, const int64_t qblocks,
-                                const int64_t tiles, const int mode, const int64_t persistent,
-                                const int64_t per_block) {
-  using A = acc_t<T>;
-  const Problem& pb = p.pb;
-  __shared__ Level levels[kMaxLevels];
-  __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads];
-  const int lane = static_cast<int>(threadIdx.x) % lanes;
-  const int rows = static_cast<int>(blockDim.x) / lanes, row = static_cast<int>(threadIdx.x) / lanes;
-  const int LP = pb.L * pb.P;
-  // mode 2: tiles past the first gridDim.x from a counter (the last block
-  // out resets it); next_tile[k & 1] holds tile k's index.
-  __shared__ int64_t next_tile[2];
-  // mode 3: blocks below `persistent` take tiles b + k * persistent, k <
-  // per_block; the rest one tile each, past those, in order (the hardware
-  // hands them to the SMs that finish first).
-  const bool single = mode == 3 && blockIdx.x >= persistent;
-  int64_t b = single ? persistent * per_block + (blockIdx.x - persistent) : blockIdx.x;
-  const int64_t stride = mode == 3 ? persistent : gridDim.x;
-  const int64_t last = mode == 3 ? (single ? b : b + (per_block - 1) * persistent) : tiles - 1;
-  int64_t fetched = 0;
-  if (mode == 2 && threadIdx.x == 0) next_tile[1] = gridDim.x + atomicAdd(&g_proto_tiles[0], 1u);
-  auto site = row_site<LT>(p, rows, row, qblocks, b);
-  PointAhead<A> nx{A(0), A(0), A(0)};
-  if (site.valid && lane < LP) load_point(site.points.loc, site.points.attn, lane, nx.x, nx.y, nx.w);
-  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
-  __syncthreads();
-  int k = 0;
-  const CornerSlots<A> slots(slot_mem, kThreads);
-  const GroupLanes g = group_lanes(lane, lanes);
-  const unsigned c = lane * VEC;
-  const bool active = c < pb.D;
-  for (;; ++k) {
-    const int64_t bn = mode == 2 ? next_tile[(k + 1) & 1] : b + stride;
-    if (mode == 2 && threadIdx.x == 0) fetched = gridDim.x + atomicAdd(&g_proto_tiles[0], 1u);
-    const bool more = bn < tiles && bn <= last;
-    const LT *nloc = nullptr, *nattn = nullptr;
-    if (more) {
-      const int64_t qb = bn % qblocks, nm = bn / qblocks, q = qb * rows + row;
-      if (q < pb.Lq) {
-        const auto pts = query_row<LT>(p, ((nm / pb.M) * pb.Lq + q) * pb.M + nm % pb.M);
-        nloc = pts.loc;
-        nattn = pts.attn;
-      }
-    }
-    const HeadPixels<T, VEC> value(p, site.n, site.m);
-    A acc[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-    gather_row_ahead<T>(g, pb.L, pb.P, levels, RowPoints<LT>{site.points.loc, site.points.attn},
-                        site.valid, active, slots, acc, nx, value.at(active ? c : 0), nloc, nattn);
-    if (site.valid && active)
-      store_vec<T, VEC>(static_cast<T*>(p.out) + site.group * pb.D + c, acc);
-    if (mode == 2 && threadIdx.x == 0) next_tile[k & 1] = fetched;
-    if (mode >= 1) __syncthreads();
-    if (!more) break;
-    b = bn;
-    site = row_site<LT>(p, rows, row, qblocks, b);
-  }
-  if (mode == 2 && threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(&g_proto_tiles[1], 1u) == gridDim.x - 1) {
-      g_proto_tiles[0] = 0;
-      g_proto_tiles[1] = 0;
-      __threadfence();
-    }
   }
 }
 
@@ -290,42 +209,10 @@ struct Launch {
         return cudaGetLastError();
       }
     }
-    const char* ahead_env = getenv("MSDA_PROTO_AHEAD");
-    const int ahead = ahead_env ? atoi(ahead_env) : 0;
-    auto go = [&](auto kernel) {
-      cudaError_t e = fit_carveout<decltype(kernel)::value>(resident);
-      if (e != cudaSuccess) return e;
-      decltype(kernel)::value<<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
-      return cudaGetLastError();
-    };
-    if constexpr (!std::is_same_v<T, double>) {
-      // Only for round(s) after the first: a channel pass past the first
-      // re-resolves from round 0 (kAhead 3 needs D within one pass).
-      if (ahead == 1) return go(std::integral_constant<decltype(&blocked_forward_kernel<T, LT, VEC, false, 1>), &blocked_forward_kernel<T, LT, VEC, false, 1>>{});
-      if (ahead == 2) return go(std::integral_constant<decltype(&blocked_forward_kernel<T, LT, VEC, false, 2>), &blocked_forward_kernel<T, LT, VEC, false, 2>>{});
-      const char* waves_env = getenv("MSDA_PROTO_WAVES");
-      const int waves = waves_env ? atoi(waves_env) : 0;
-      if (waves > 0 && pb.D <= lanes * VEC && threads == kThreads) {
-        const char* grid_env = getenv("MSDA_PROTO_GRID");  // tests: a few blocks, many tiles each
-        int64_t grid = std::min<int64_t>(
-            blocks, grid_env ? atoi(grid_env) : int64_t(waves) * resident * d.sms);
-        const int mode = getenv("MSDA_PROTO_LOOP") ? atoi(getenv("MSDA_PROTO_LOOP")) : 0;
-        int64_t persistent = grid, per_block = 0;
-        if (mode == 3) {
-          const int frac = getenv("MSDA_PROTO_FRAC") ? atoi(getenv("MSDA_PROTO_FRAC")) : 75;
-          per_block = int64_t(blocks) * frac / 100 / persistent;
-          grid = per_block > 0 ? persistent + (blocks - persistent * per_block) : blocks;
-          if (per_block == 0) persistent = 0;
-        }
-        err = fit_carveout<blocked_forward_loop_kernel<T, LT, VEC>>(resident);
-        if (err != cudaSuccess) return err;
-        blocked_forward_loop_kernel<T, LT, VEC><<<static_cast<unsigned>(grid), threads, 0, stream>>>(
-            p, lanes, qblocks, blocks, mode, persistent, per_block);
-        return cudaGetLastError();
-      }
-      if (ahead == 3 && pb.D <= lanes * VEC) return go(std::integral_constant<decltype(&blocked_forward_kernel<T, LT, VEC, false, 3>), &blocked_forward_kernel<T, LT, VEC, false, 3>>{});
-    }
-    return go(std::integral_constant<decltype(&blocked_forward_kernel<T, LT, VEC, false>), &blocked_forward_kernel<T, LT, VEC, false>>{});
+    err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(resident);
+    if (err != cudaSuccess) return err;
+    blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
+    return cudaGetLastError();
   }
 };
 
