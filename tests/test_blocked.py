@@ -25,10 +25,11 @@ def rows(request, monkeypatch):
 
 
 # Lq from a single query to several blocks with a partial last one; D from 16
-# (2 or 4 lanes) to 256 (32 lanes, two channel chunks in fp32): every block
-# size the launcher picks (64 to 256 threads).
+# (2 or 4 lanes) to 512 (32 lanes; two channel passes in 16 bits, four in
+# fp32, each starting its row's points again): every block size the
+# launcher picks (64 to 256 threads).
 @pytest.mark.parametrize("lq", [1, 3, 63, 65, 300, 2049])
-@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
                          ids=["float32", "bfloat16", "float16"])
 def test_query_runs_and_channels(lq, d, dtype, rows):
