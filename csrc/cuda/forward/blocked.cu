@@ -100,7 +100,8 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
 #pragma unroll
       for (int e = 0; e < VEC; ++e) acc[e] = A(0);
       if constexpr (!kFused) {
-        // A pass past the first starts the row again (D > lanes * VEC only).
+        // A pass past the first (D > lanes * VEC) loads the first point
+        // again: holding it over a pass costs the fp32 kernel a spill.
         if (c0 > 0 && valid && lane < pb.L * pb.P) next.load(pts, lane);
       }
       gather_row<T, !kFused>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc,
