@@ -99,17 +99,16 @@ def main() -> int:
         set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", None)
     # Wide rows: groups of 16 and 32 lanes (and several 16-byte chunks a
     # lane), whose slots a warp shares differently, on each set-up of a row.
+    levels = [(5, 7), (3, 2), (1, 1)]
     for backend in [b for b in ("baseline", "blocked") if b in backends]:
         for rows in (("shared", "lane") if backend == "blocked" else (None,)):
             set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", rows)
             for dtype in (torch.float32, torch.bfloat16):
                 for d in (64, 128, 256):
-                    levels = [(5, 7), (3, 2), (1, 1)]
-                    value, shapes, start, loc, attn = make_inputs(
-                        2, 13, 3, d, levels, 3, dtype, torch.float32, outside=0.3, seed=count)
-                    shapes, start = shapes.cuda(), start.cuda()
-                    value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
-                    count += every_path(value, shapes, start, loc, attn, backend, levels)
+                    inputs = make_inputs(2, 13, 3, d, levels, 3, dtype, torch.float32,
+                                         device="cuda", outside=0.3, seed=count,
+                                         requires_grad=True)
+                    count += every_path(*inputs, backend, levels)
         set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", None)
     # value head-major ((N, M, S, D) storage, read in place): every backend
     # (tma with its default boxes and with boxes of a few pixels) and path.

@@ -67,7 +67,7 @@ std::string blocked_problem(const Problem& pb, const cudaDeviceProp&) {
 // (BENCHMARKS.md, docs/performance.md). Its gain is the L1 reuse of one
 // head's corner rows, which needs several heads side by side in value; with
 // one head (seed) the 16-bit forms tie with baseline and fp32 still gains
-// ~2 %. fp64 is not measured.
+// a little. fp64 is not measured.
 bool blocked_auto(const Problem& pb, const cudaDeviceProp&) {
   const bool half = pb.value_dtype == DType::bf16 || pb.value_dtype == DType::f16;
   return pb.value_dtype == DType::f32 || (half && pb.M > 1);
