@@ -39,15 +39,6 @@ BlockedRows blocked_rows_override() {
               "'lane', got '", v, "'");
 }
 
-int64_t blocked_grid_override() {
-  const std::string v = env("MS_DEFORM_ATTN_BLOCKED_GRID");
-  if (v.empty()) return -1;
-  const int64_t blocks = std::atoll(v.c_str());
-  TORCH_CHECK(blocks >= 1, "ms_deform_attn: MS_DEFORM_ATTN_BLOCKED_GRID must be a positive block "
-              "count, got '", v, "'");
-  return blocks;
-}
-
 int64_t smem_budget_override() {
   const std::string v = env("MS_DEFORM_ATTN_SMEM_BUDGET");
   return v.empty() ? -1 : std::atoll(v.c_str());

@@ -19,9 +19,6 @@ GradValueRequest grad_value_override();
 // shared (once a sample, handed over through shared memory) or lane (on
 // every lane of the row); see BlockedRows.
 BlockedRows blocked_rows_override();
-// MS_DEFORM_ATTN_BLOCKED_GRID: the most blocks `blocked` launches (-1
-// unset: those that fit at once); fewer blocks than tiles claim the rest.
-int64_t blocked_grid_override();
 // MS_DEFORM_ATTN_SMEM_BUDGET: shared-memory bytes the caching forward backends may use (-1: theirs).
 int64_t smem_budget_override();
 // MS_DEFORM_ATTN_POISON=1: outputs are filled with NaN before the kernels

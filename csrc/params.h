@@ -51,7 +51,6 @@ struct ForwardParams {
   void* workspace = nullptr;               // zeroed scratch, as the backend asked for
   int64_t smem_budget = -1;                // shared-memory bytes a caching backend may use (-1: its default)
   BlockedRows blocked_rows = BlockedRows::automatic;  // `blocked`'s set-up (a test hook)
-  int64_t blocked_grid = -1;               // the most blocks `blocked` launches (-1: its own; a test hook)
   const int64_t* host_shapes = nullptr;    // (L, 2) (H, W) in host memory when pb.host_shapes
   // ms_deform_attn_fused (baseline, blocked): with ref set, loc holds the
   // sampling offsets, attn the attention logits, and ref the reference

@@ -96,13 +96,6 @@ def main() -> int:
         for rows in ("shared", "lane"):
             set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", rows)
             count = special_cases("blocked", count)
-        # Blocks that loop over tiles claimed from a counter (two blocks for
-        # the cases' 6 to 12 tiles), the warps handed their tiles through
-        # shared memory without a block barrier.
-        set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", "shared")
-        set_env("MS_DEFORM_ATTN_BLOCKED_GRID", "2")
-        count = special_cases("blocked", count)
-        set_env("MS_DEFORM_ATTN_BLOCKED_GRID", None)
         set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", None)
     # Wide rows: groups of 16 and 32 lanes (and several 16-byte chunks a
     # lane), whose slots a warp shares differently, on each set-up of a row.

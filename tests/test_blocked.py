@@ -2,10 +2,8 @@
 head), sized down for small problems, with groups past the last query that
 only stand in; rounds of points across levels; both set-ups of a row's
 samples (shared through slots, or per lane with the row split over several
-groups; MS_DEFORM_ATTN_BLOCKED_ROWS forces one); blocks that loop over tiles
-claimed from a counter where the tiles outnumber the blocks
-(MS_DEFORM_ATTN_BLOCKED_GRID caps the grid to force it); the fused
-operator's points formed in it; where auto takes it."""
+groups; MS_DEFORM_ATTN_BLOCKED_ROWS forces one); the fused operator's points
+formed in it; where auto takes it."""
 import pytest
 import torch
 
@@ -66,64 +64,6 @@ def test_rows_override_is_checked(monkeypatch):
     inputs = make_inputs(1, 10, 2, 32, SHAPES, 4, torch.float32, torch.float32, device="cuda")
     with pytest.raises(RuntimeError, match="MS_DEFORM_ATTN_BLOCKED_ROWS must be 'auto', 'shared' "
                        "or 'lane', got 'slots'"):
-        msda.ms_deform_attn(*inputs, backend="blocked")
-
-
-@pytest.fixture(params=[1, 3, 7])
-def grid(request, monkeypatch):
-    # Grids far smaller than the tiles: every block loops over many tiles
-    # (the slot set-up; the per-lane one takes a block a tile).
-    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_ROWS", "shared")
-    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_GRID", str(request.param))
-    return request.param
-
-
-@pytest.mark.parametrize("lq", [65, 2049])
-@pytest.mark.parametrize("d", [16, 32, 256, 512])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64],
-                         ids=["float32", "bfloat16", "float64"])
-def test_tiles_claimed(lq, d, dtype, grid):
-    # Tiles taken in turn by a few blocks, each warp waiting only for its
-    # own next tile: every row written once, the same sums as a block a tile.
-    inputs = make_inputs(2, lq, 3, d, SHAPES, 4, dtype, torch.float32, device="cuda")
-    out = msda.ms_deform_attn(*inputs, backend="blocked")
-    assert rel_err(out, reference64(*inputs)) <= TOL[dtype]
-
-
-def test_tiles_claimed_bitwise_as_a_block_a_tile(monkeypatch):
-    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_ROWS", "shared")
-    inputs = make_inputs(2, 500, 8, 32, SHAPES, 4, torch.float32, device="cuda")
-    a = msda.ms_deform_attn(*inputs, backend="blocked")
-    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_GRID", "5")
-    b = msda.ms_deform_attn(*inputs, backend="blocked")
-    assert torch.equal(a, b)
-
-
-def test_tiles_claimed_in_a_cuda_graph(grid):
-    # The counter is zeroed by a memset the graph holds: each replay claims
-    # every tile again.
-    inputs = make_inputs(2, 700, 4, 32, SHAPES, 4, torch.bfloat16, torch.float32, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        msda.ms_deform_attn(*inputs, backend="blocked")  # warm-up off the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = msda.ms_deform_attn(*inputs, backend="blocked")
-    want = reference64(*inputs)
-    for _ in range(2):
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_err(captured, want) <= TOL[torch.bfloat16]
-
-
-def test_grid_override_is_checked(monkeypatch):
-    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_GRID", "0")
-    inputs = make_inputs(1, 10, 2, 32, SHAPES, 4, torch.float32, torch.float32, device="cuda")
-    with pytest.raises(RuntimeError, match="MS_DEFORM_ATTN_BLOCKED_GRID must be a positive block "
-                       "count, got '0'"):
         msda.ms_deform_attn(*inputs, backend="blocked")
 
 

@@ -28,8 +28,7 @@ cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream);
 // Needs S < 2^31 (pixel indices of the whole map in 32 bits) and N M Lq < 2^31.
 cudaError_t blocked_forward(const ForwardParams& p, cudaStream_t stream);
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream);
-int64_t persistent_workspace_bytes(const ForwardParams& p);  // its zeroed tile counters
-int64_t blocked_workspace_bytes(const ForwardParams& p);     // its tile counter, where it claims tiles
+int64_t persistent_workspace_bytes(const Problem& pb);  // its zeroed tile counters
 cudaError_t cluster_forward(const ForwardParams& p, cudaStream_t stream);  // sm_90+
 // sm_90+; needs p.host_shapes, 16-bit or fp32 values, D * element size a
 // multiple of 16 bytes and at most 512, value 16-byte aligned.

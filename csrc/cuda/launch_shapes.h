@@ -42,44 +42,6 @@ constexpr int lane_row_split(int64_t rows, int lanes, int points, int sms, bool 
   return split;
 }
 
-// blocked_forward_kernel's grid over `heads` (batch, head) pairs of Lq
-// queries, a group of `lanes` threads a (query, head) row: blocks of
-// kThreads, halved down to kBlockedMinThreads while that leaves fewer than
-// two blocks an SM (the decoders: a few hundred queries a head); a tile is
-// a block's worth of consecutive queries of one head. Where the tiles
-// outnumber the blocks that fit at once, only those are launched and each
-// loops over tiles claimed from a counter (`claims`): the level table and
-// the block's start are paid once a block, and a tile's first points load
-// during the previous tile's last round. `one_tile` (the fused form):
-// a block a tile. `max_blocks` > 0 caps the grid (a test hook).
-constexpr int kBlockedMinThreads = 64;
-struct BlockedGrid {
-  int threads = kThreads;
-  int64_t qblocks = 0;  // tiles a (batch, head)
-  int64_t tiles = 0;
-  int64_t blocks = 0;
-  bool claims = false;
-};
-constexpr BlockedGrid blocked_grid(int64_t heads, int64_t Lq, int lanes, int sms, bool one_tile,
-                                   int64_t max_blocks = -1) {
-  BlockedGrid g;
-  auto qblocks_for = [&](int threads) {
-    const int64_t rows = threads / lanes;
-    return (Lq + rows - 1) / rows;
-  };
-  while (g.threads > kBlockedMinThreads && g.threads / 2 >= lanes &&
-         qblocks_for(g.threads) * heads < 2 * int64_t(sms)) {
-    g.threads /= 2;
-  }
-  g.qblocks = qblocks_for(g.threads);
-  g.tiles = g.qblocks * heads;
-  const int64_t resident = max_blocks > 0 ? max_blocks
-                                          : int64_t(kForwardBlocksPerSm) * kThreads / g.threads * sms;
-  g.claims = !one_tile && g.tiles > resident;
-  g.blocks = g.claims ? resident : g.tiles;
-  return g;
-}
-
 // backward_kernel (FFMA dots, atomic or key-writing): where the groups alone
 // give fewer than kFillThreadsPerSm threads an SM (the decoders), a group's
 // samples are split into tasks.

@@ -68,18 +68,17 @@ at::Tensor launch_forward(Prepared& in, const cuda::CudaBackend& impl, const flo
   p.ref_dim = ref_dim;
   const int64_t elem = in.value.element_size();
   p.vec = cuda::pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.value, p.out});
-  p.smem_budget = smem_budget_override();  // a test hook of the caching backends
-  p.blocked_rows = blocked_rows_override();  // test hooks of `blocked`
-  p.blocked_grid = blocked_grid_override();
   at::Tensor workspace;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if (const int64_t bytes = impl.workspace(p); bytes > 0) {
+  if (const int64_t bytes = impl.workspace(pb); bytes > 0) {
     // Zeroed by a memset on the stream (graph-capturable; compute-sanitizer's
     // initcheck sees it, unlike a fill by a kernel it does not instrument).
     workspace = at::empty({bytes}, in.value.options().dtype(at::kByte));
     p.workspace = workspace.data_ptr();
     C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, bytes, stream));
   }
+  p.smem_budget = smem_budget_override();  // a test hook of the caching backends
+  p.blocked_rows = blocked_rows_override();  // a test hook of `blocked`
   C10_CUDA_CHECK(impl.forward(p, stream));
   return out;
 }

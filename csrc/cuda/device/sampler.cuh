@@ -360,19 +360,11 @@ struct LanePoint {
 // The gather is gather_slots_pipelined. Without kAhead (the fused form: its
 // points need the level table, and its set-up leaves no registers for the
 // pipeline): each round loads its points, gather_slots; `next` unused.
-// then(next) (kAhead): called by every lane in the last round, where no
-// point of this row is left to load, before that round's gather: a kernel
-// that loops over tiles loads its next row's first point there.
-struct NoNextRow {
-  template <typename P>
-  __device__ __forceinline__ void operator()(P&) const {}
-};
-template <typename T, bool kAhead, typename Points, typename A, int VEC, typename Fetch,
-          typename Then = NoNextRow>
+template <typename T, bool kAhead, typename Points, typename A, int VEC, typename Fetch>
 __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, const Level* levels,
                                            const Points& pts, bool valid, bool active,
                                            CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch,
-                                           LanePoint<A>& next, Then&& then = {}) {
+                                           LanePoint<A> next) {
   const int LP = L * P;
   // Both tests once, held in registers (the empty asm): otherwise the
   // compiler recomputes them from the 64-bit query index and D every round,
@@ -392,7 +384,6 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
     }
     if constexpr (kAhead) {
       if (i + g.lanes < resolved) next.load(pts, i + g.lanes);
-      if (i0 + g.lanes >= LP) then(next);
     }
     __syncwarp();
     const int count = min(g.lanes, LP - i0);

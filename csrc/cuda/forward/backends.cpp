@@ -16,7 +16,7 @@ namespace {
 std::string runs_anywhere(const cudaDeviceProp&) { return ""; }
 std::string runs_any_problem(const Problem&, const cudaDeviceProp&) { return ""; }
 bool always(const Problem&, const cudaDeviceProp&) { return true; }
-int64_t no_workspace(const ForwardParams&) { return 0; }
+int64_t no_workspace(const Problem&) { return 0; }
 
 bool never(const Problem&, const cudaDeviceProp&) { return false; }
 
@@ -94,7 +94,7 @@ const CudaBackend kBackends[] = {
      &cuda::persistent_forward, 1},
     // Blocks of consecutive queries of one (batch, head); faster than
     // baseline with several heads.
-    {"blocked", runs_anywhere, blocked_problem, blocked_auto, &cuda::blocked_workspace_bytes, &cuda::blocked_forward, 1, true},
+    {"blocked", runs_anywhere, blocked_problem, blocked_auto, no_workspace, &cuda::blocked_forward, 1, true},
     {"baseline", runs_anywhere, runs_any_problem, always, no_workspace, &cuda::baseline_forward, 1, true},
 };
 

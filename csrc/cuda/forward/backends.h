@@ -24,7 +24,7 @@ struct CudaBackend {
   std::string (*device_reason)(const cudaDeviceProp&);
   std::string (*problem_reason)(const Problem&, const cudaDeviceProp&);
   bool (*auto_ok)(const Problem&, const cudaDeviceProp&);
-  int64_t (*workspace)(const ForwardParams&);
+  int64_t (*workspace)(const Problem&);
   cudaError_t (*forward)(const ForwardParams&, cudaStream_t);
   int64_t value_align;
   // Forms ms_deform_attn_fused's locations and softmax itself (ForwardParams::ref);

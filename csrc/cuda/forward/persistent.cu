@@ -169,9 +169,7 @@ struct Launch {
 
 }  // namespace
 
-int64_t persistent_workspace_bytes(const ForwardParams& p) {
-  return p.pb.N * p.pb.M * int64_t(sizeof(int));
-}
+int64_t persistent_workspace_bytes(const Problem& pb) { return pb.N * pb.M * int64_t(sizeof(int)); }
 
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream) {
   return launch_for_dtypes<Launch>(p, stream);
