@@ -104,11 +104,15 @@ def comparison(result: Dict, backend: str) -> List[str]:
                 f"{_us(ours(wl, 'fp16', 'fwd'))} / {_us(ours(wl, 'fp16', 'fwdbwd', 'bwd_us'))} ({err(wl, 'fp16')}) | "
                 f"{_us(ff)} / {_us(fb)} ({fe:.0e}) |")
         return out
+    # Other devices: the peers quoted for the H200, and the Triton peer's
+    # figures where this run measured them.
+    triton = any(r["impl"] == "triton" for r in rows)
     out = [
         "| workload | ours fp32 fwd | original fwd | ours fp32 bwd | original bwd | "
         "ours bf16 fwd | ours bf16 bwd | ours bf16 error | flash fp16 fwd | flash fp16 bwd | "
-        "flash fp16 error |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "flash fp16 error |" + (" triton fp32 fwd / bwd | triton bf16 fwd / bwd (error) |"
+                                if triton else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if triton else ""),
     ]
     for wl, (gs, of, ob, ff, fb, fe) in PEERS_H200.items():
         if ours(wl, "fp32", "fwd") is None and ours(wl, "bf16", "fwd") is None:
@@ -116,7 +120,9 @@ def comparison(result: Dict, backend: str) -> List[str]:
         out.append(
             f"| {wl} | {_us(ours(wl, 'fp32', 'fwd'))} | {of} | {_us(ours(wl, 'fp32', 'fwdbwd', 'bwd_us'))} | "
             f"{ob} | {_us(ours(wl, 'bf16', 'fwd'))} | {_us(ours(wl, 'bf16', 'fwdbwd', 'bwd_us'))} | "
-            f"{err(wl, 'bf16')} | {ff} | {fb} | {fe:.1e} |")
+            f"{err(wl, 'bf16')} | {ff} | {fb} | {fe:.1e} |"
+            + (f" {measured_triton(wl, 'fp32') or '-'} | {measured_triton(wl, 'bf16') or '-'} |"
+               if triton else ""))
     return out
 
 
