@@ -4,7 +4,7 @@
 # (./gpu_out otherwise). Exits non-zero if the build or any test fails.
 #
 #   STAGES="build test bench"   stages to run (also: sanitize, stress, fuzz, ktimes, model,
-#                               profile, source, sass, cpp, cputhreads, layerk, paths,
+#                               profile, peer, source, sass, cpp, cputhreads, layerk, paths,
 #                               wheel, deploy)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
@@ -183,6 +183,24 @@ for stage in $STAGES; do
         exit $fail
       ) 2>&1 | grep -v Warning | tee "$OUT/deploy.log" | tail -30
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "DEPLOY FAILED"; status=1; } ;;
+    peer)
+      # Nsight Compute on one forward of ours and of the Triton peer side by
+      # side (scripts/peer_profile.py; PEER_ARGS: its arguments, ';' between
+      # runs), every stall reason and the L1 traffic; reports under $OUT.
+      IFS=';' read -ra runs <<< "${PEER_ARGS:-ddetr_enc fp32}"
+      i=0
+      for r in "${runs[@]}"; do
+        ncu --clock-control none --profile-from-start off \
+          --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
+          --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct,l1tex__m_xbar2l1tex_read_sectors.sum,lts__t_sector_hit_rate.pct,l1tex__throughput.avg.pct_of_peak_sustained_active" \
+          -o "$OUT/peer_$i" $PY scripts/peer_profile.py $r > "$OUT/peer_$i.log" 2>&1 || status=1
+        ncu -i "$OUT/peer_$i.ncu-rep" --page details > "$OUT/peer_${i}_details.txt" 2>&1
+        echo "--- peer $i: $r"; grep -E "rel. error|profiled" "$OUT/peer_$i.log"
+        grep -E "^  [a-zA-Z_]|Duration|Registers Per|Issued Warp|No Eligible|Achieved Occupancy|inst_executed|wavefronts|hit_rate|xbar2l1tex|stalled_(long|short|lg|mio|wait|barrier|not_sel|math|tex|no_inst|branch|dispatch)" \
+          "$OUT/peer_${i}_details.txt" | head -80
+        i=$((i + 1))
+      done ;;
     sass)
       cuobjdump --dump-sass ms_deform_attn/_C*.so > "$OUT/sass.txt" 2>&1 || status=1 ;;
     *) echo "unknown stage $stage"; status=1 ;;
