@@ -124,14 +124,15 @@ for stage in $STAGES; do
     source)
       # Nsight Compute source counters (instructions and stalls a source line)
       # of one kernel (SOURCE_KERNEL, a regex) for each run of
-      # scripts/profile_kernels.py (SOURCE_ARGS, ';' between runs); the
+      # SOURCE_SCRIPT (scripts/profile_kernels.py; scripts/peer_profile.py for
+      # the Triton peer's kernel) with SOURCE_ARGS (';' between runs); the
       # reports and their CUDA-line and SASS pages as CSV under $OUT.
       IFS=';' read -ra runs <<< "${SOURCE_ARGS:-rtdetr_dec bf16 backward}"
       i=0
       for r in "${runs[@]}"; do
         ncu --clock-control none --profile-from-start off -k regex:"${SOURCE_KERNEL:-value_grad_local}" \
           --section SourceCounters --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-          --import-source yes -f -o "$OUT/source_$i" $PY scripts/profile_kernels.py $r > "$OUT/source_$i.log" 2>&1 \
+          --import-source yes -f -o "$OUT/source_$i" $PY ${SOURCE_SCRIPT:-scripts/profile_kernels.py} $r > "$OUT/source_$i.log" 2>&1 \
           || { echo "SOURCE PROFILE FAILED ($r)"; tail -5 "$OUT/source_$i.log"; status=1; }
         for page in cuda sass; do
           ncu -i "$OUT/source_$i.ncu-rep" --page source --csv --print-source $page > "$OUT/source_${i}_$page.csv" 2>&1

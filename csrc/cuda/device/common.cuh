@@ -230,18 +230,30 @@ struct Level {
 // the sum equal to S. If anything fails, every level becomes a poisoned 1 x 1
 // level at pixel 0 (the host checked S >= 1): the error shows as NaN results,
 // never as plausible numbers or an out-of-bounds read. Warp 0 does it, one
-// level a lane (kMaxLevels <= 32).
-__device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
-                                            const int64_t* starts, int L, int64_t S) {
+// level a lane (kMaxLevels <= 32). In two steps where a kernel has work to do
+// under the table's load: fetch_level() issues it, store_levels() checks and
+// stores.
+struct RawLevel {
+  int64_t H = 1, W = 1, start = 0;
+};
+
+__device__ __forceinline__ RawLevel fetch_level(const int64_t* shapes, const int64_t* starts,
+                                                int L) {
+  RawLevel r;
+  const int l = static_cast<int>(threadIdx.x);
+  if (l < L) {
+    r.H = shapes[2 * l];
+    r.W = shapes[2 * l + 1];
+    r.start = starts[l];
+  }
+  return r;
+}
+
+__device__ __forceinline__ void store_levels(Level* lv, const RawLevel& r, int L, int64_t S) {
   static_assert(kMaxLevels <= 32, "one level a lane of warp 0");
   if (threadIdx.x >= 32) return;
   const int l = static_cast<int>(threadIdx.x);
-  int64_t H = 1, W = 1, st = 0;
-  if (l < L) {
-    H = shapes[2 * l];
-    W = shapes[2 * l + 1];
-    st = starts[l];
-  }
+  const int64_t H = r.H, W = r.W, st = r.start;
   const bool dims_ok = H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX;
   const int64_t area = l < L && dims_ok ? H * W : 0;
   int64_t end = area;  // inclusive scan of the areas over the lanes
@@ -254,6 +266,11 @@ __device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
   const int64_t total = __shfl_sync(0xffffffffu, end, L - 1);
   const bool ok = __all_sync(0xffffffffu, dims_ok && start_ok) && total == S;
   if (l < L) lv[l] = ok ? Level{int(H), int(W), st, false} : Level{1, 1, 0, true};
+}
+
+__device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
+                                            const int64_t* starts, int L, int64_t S) {
+  store_levels(lv, fetch_level(shapes, starts, L), L, S);
 }
 
 // ---- work decomposition ----------------------------------------------------

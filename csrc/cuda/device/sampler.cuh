@@ -182,16 +182,18 @@ struct GroupLanes {
   __device__ __forceinline__ int slot(int j) const { return first_slot + j * slot_stride; }
 };
 
+// lanes: a power of two <= 32 (lanes_for), so divisions by it are shifts.
 __device__ __forceinline__ GroupLanes group_lanes(int lane, int lanes) {
   const unsigned first = threadIdx.x - lane;  // the group's first thread
-  const int groups = 32 / lanes;
+  const int shift = __ffs(lanes) - 1;         // log2(lanes)
+  const int groups = 32 >> shift;
   GroupLanes g;
   g.lane = lane;
   g.lanes = lanes;
   g.mask = (lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u)) << (first & 31u);
   g.first_slot = static_cast<int>(threadIdx.x / 32) * kSlotsPerWarp +
-                 static_cast<int>(first & 31u) / lanes;
-  g.slot_stride = lanes == 32 ? 1 : groups + max(8 / lanes, 1);
+                 static_cast<int>((first & 31u) >> shift);
+  g.slot_stride = lanes == 32 ? 1 : groups + max(8 >> shift, 1);
   return g;
 }
 
@@ -361,7 +363,8 @@ struct LanePoint {
 // points need the level table, and its set-up leaves no registers for the
 // pipeline): each round loads its points, gather_slots; `next` unused.
 template <typename T, bool kAhead, typename Points, typename A, int VEC, typename Fetch>
-__device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, const Level* levels,
+__device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P,
+                                           const FastDiv& by_p, const Level* levels,
                                            const Points& pts, bool valid, bool active,
                                            CornerSlots<A> slots, A (&acc)[VEC], Fetch&& fetch,
                                            LanePoint<A> next) {
@@ -375,7 +378,7 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P, co
   for (int i0 = 0; i0 < LP; i0 += g.lanes) {
     const int i = i0 + g.lane;
     if (i < resolved) {
-      const int l = i / P;
+      const int l = static_cast<int>(by_p(static_cast<uint32_t>(i)));
       const Level lv = levels[l];
       LanePoint<A> pt = next;
       if constexpr (!kAhead) pts.load(lv, l, i, pt.x, pt.y, pt.w);

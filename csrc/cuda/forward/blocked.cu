@@ -17,6 +17,17 @@ namespace {
 // slots are sized for the largest, kThreads.
 constexpr int kMinBlockThreads = 64;
 
+// The launch's run-time divisions (FastDiv, built on the host): by the
+// blocks a (batch, head) takes, by the heads, by the points a level. Every
+// block index and point number is below 2^31 (the predicate bounds the grid).
+struct RowDivisors {
+  uint32_t qblocks, heads;
+  FastDiv by_qblocks, by_heads, by_points;
+  RowDivisors(int64_t per_head, int64_t M, int64_t P)
+      : qblocks(static_cast<uint32_t>(per_head)), heads(static_cast<uint32_t>(M)),
+        by_qblocks(qblocks), by_heads(heads), by_points(static_cast<uint32_t>(P)) {}
+};
+
 // Where a (query, head) row of both kernels lives. Block b holds `rows`
 // consecutive queries of (n, m) = divmod(b / qblocks, M); its row r is query
 // qb * rows + r, qb = b % qblocks. A row past the last query (valid false)
@@ -32,14 +43,15 @@ struct RowSite {
 
 template <typename LT>
 __device__ __forceinline__ RowSite<LT> row_site(const ForwardParams& p, int rows, int row,
-                                                int64_t qblocks) {
+                                                const RowDivisors& div) {
   const Problem& pb = p.pb;
-  const int64_t qb = blockIdx.x % qblocks, nm = blockIdx.x / qblocks;
-  const int64_t q_at = qb * rows + row;
+  const uint32_t nm = div.by_qblocks(blockIdx.x), n = div.by_heads(nm);
+  const uint32_t qb = blockIdx.x - nm * div.qblocks;
+  const int64_t q_at = int64_t(qb) * rows + row;
   RowSite<LT> r;
   r.valid = q_at < pb.Lq;
-  r.m = nm % pb.M;
-  r.n = nm / pb.M;
+  r.m = nm - n * div.heads;
+  r.n = n;
   r.group = (r.n * pb.Lq + (r.valid ? q_at : pb.Lq - 1)) * pb.M + r.m;
   r.points = query_row<LT>(p, r.group);
   return r;
@@ -64,17 +76,20 @@ struct HeadPixels {
 template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
 __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
-    blocked_forward_kernel(const ForwardParams p, const int lanes, const int64_t qblocks) {
+    blocked_forward_kernel(const ForwardParams p, const int lanes, const RowDivisors div) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
   __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads];
+  // The level table's load first: the set-up below runs under it.
+  const RawLevel raw_level = fetch_level(p.spatial_shapes, p.level_start, pb.L);
   // A group a row. Groups past the last query stay (loading nothing), so
   // that every warp syncs whole: a partial-mask __syncwarp costs a
-  // convergence check each time.
-  const int lane = static_cast<int>(threadIdx.x) % lanes;
-  const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) / lanes,
-                                 static_cast<int>(threadIdx.x) / lanes, qblocks);
+  // convergence check each time. lanes is a power of two (lanes_for).
+  const int shift = __ffs(lanes) - 1;
+  const int lane = static_cast<int>(threadIdx.x) & (lanes - 1);
+  const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) >> shift,
+                                 static_cast<int>(threadIdx.x) >> shift, div);
   const bool valid = site.valid;
   const auto [loc, attn] = site.points;
   // The lane's first point, loaded under the level table's load (gather_row's
@@ -83,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   if constexpr (!kFused) {
     if (valid && lane < pb.L * pb.P) next.load(RowPoints<LT>{loc, attn}, lane);
   }
-  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
+  store_levels(levels, raw_level, pb.L, pb.S);
   __syncthreads();
   const HeadPixels<T, VEC> value(p, site.n, site.m);
   T* out = static_cast<T*>(p.out) + site.group * pb.D;
@@ -104,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
         // again: holding it over a pass costs the fp32 kernel a spill.
         if (c0 > 0 && valid && lane < pb.L * pb.P) next.load(pts, lane);
       }
-      gather_row<T, !kFused>(g, pb.L, pb.P, levels, pts, valid, active, slots, acc,
+      gather_row<T, !kFused>(g, pb.L, pb.P, div.by_points, levels, pts, valid, active, slots, acc,
                              value.at(active ? c : 0), next);
       if (valid && active) store_vec<T, VEC>(out + c, acc);
     }
@@ -127,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
 template <typename T, typename LT, int VEC>
 __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
     blocked_lane_rows_kernel(const ForwardParams p, const int lanes, const int split,
-                             const int64_t qblocks) {
+                             const RowDivisors div) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
@@ -135,10 +150,10 @@ __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
   const int t = static_cast<int>(threadIdx.x) % row_threads;
   const int lane = t % lanes, part = t / lanes;
   const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) / row_threads,
-                                 static_cast<int>(threadIdx.x) / row_threads, qblocks);
+                                 static_cast<int>(threadIdx.x) / row_threads, div);
   LaneRow<T, kLaneRowPoints, LT, A> row{{site.points.loc, site.points.attn}, pb.L, pb.P,
                                         part * kLaneRowPoints, split * kLaneRowPoints};
-  row.prefetch();  // under the level table's load
+  row.prefetch();  // under the level table's load (loaded here: earlier, its registers spill)
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
   if (!site.valid) return;  // a row's threads leave together: the shuffles below stay whole
@@ -183,12 +198,14 @@ struct Launch {
     const int64_t qblocks = qblocks_for(threads);
     const auto blocks = static_cast<unsigned>(qblocks * pb.N * pb.M);  // < 2^31: the predicate
     const int resident = kForwardBlocksPerSm * kThreads / threads;  // an SM, by the register cap
+    auto divisors = [&](int64_t per_head) { return RowDivisors(per_head, pb.M, pb.P); };
     if (p.ref != nullptr) {
       // The fused operator sends no fp64 values here (fused_forward_cuda).
       if constexpr (std::is_same_v<acc_t<T>, float>) {
         err = fit_carveout<blocked_forward_kernel<T, LT, VEC, true>>(resident);
         if (err != cudaSuccess) return err;
-        blocked_forward_kernel<T, LT, VEC, true><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
+        blocked_forward_kernel<T, LT, VEC, true><<<blocks, threads, 0, stream>>>(
+            p, lanes, divisors(qblocks));
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
@@ -206,13 +223,14 @@ struct Launch {
         if (err != cudaSuccess) return err;
         blocked_lane_rows_kernel<T, LT, VEC>
             <<<static_cast<unsigned>(row_blocks * pb.N * pb.M), threads, 0, stream>>>(
-                p, lanes, split, row_blocks);
+                p, lanes, split, divisors(row_blocks));
         return cudaGetLastError();
       }
     }
     err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(resident);
     if (err != cudaSuccess) return err;
-    blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(p, lanes, qblocks);
+    blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(
+        p, lanes, divisors(qblocks));
     return cudaGetLastError();
   }
 };
