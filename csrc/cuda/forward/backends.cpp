@@ -65,12 +65,10 @@ std::string blocked_problem(const Problem& pb, const cudaDeviceProp&) {
 
 // Where "auto" takes `blocked` over `baseline`: the benchmark's verdict
 // (BENCHMARKS.md, docs/performance.md). Its gain is the L1 reuse of one
-// head's corner rows, which needs several heads side by side in value; with
-// one head (seed) the 16-bit forms tie with baseline and fp32 still gains
-// a little. fp64 is not measured.
+// head's corner rows and a cheaper block prologue; with one head (seed) the
+// prologue alone still puts it ahead. fp64 is not measured.
 bool blocked_auto(const Problem& pb, const cudaDeviceProp&) {
-  const bool half = pb.value_dtype == DType::bf16 || pb.value_dtype == DType::f16;
-  return pb.value_dtype == DType::f32 || (half && pb.M > 1);
+  return pb.value_dtype != DType::f64;
 }
 
 // The auto-selection table: in preference order, the first backend whose
@@ -93,7 +91,7 @@ const CudaBackend kBackends[] = {
     {"persistent", runs_anywhere, runs_any_problem, never, &cuda::persistent_workspace_bytes,
      &cuda::persistent_forward, 1},
     // Blocks of consecutive queries of one (batch, head); faster than
-    // baseline with several heads.
+    // baseline in fp32, bf16 and fp16.
     {"blocked", runs_anywhere, blocked_problem, blocked_auto, no_workspace, &cuda::blocked_forward, 1, true},
     {"baseline", runs_anywhere, runs_any_problem, always, no_workspace, &cuda::baseline_forward, 1, true},
 };
