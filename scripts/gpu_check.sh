@@ -11,6 +11,9 @@
 #   SANITIZE_ARGS=""            arguments for tests/sanitize_suite.py (e.g. --backends blocked)
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
 #                               GPU machine has no git history)
+#   PACK=1                      at the end, $OUT packed into $OUT/all.tgz when it
+#                               holds more than 8 files (what the device tool
+#                               brings back; profile, source and peer write more)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -207,5 +210,8 @@ for stage in $STAGES; do
     *) echo "unknown stage $stage"; status=1 ;;
   esac
 done
+if [ "${PACK:-0}" = 1 ] && [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/gpu_check_out.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_check_out.tgz "$OUT/all.tgz"
+fi
 echo "=== done $(date +%T) status $status"
 exit $status
