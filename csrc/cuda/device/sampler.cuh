@@ -353,8 +353,9 @@ struct LanePoint {
 // point i0 + j of the row's L * P points, across levels, so that no lane
 // idles where P < lanes; corners are numbered by their pixel in the whole
 // map (MapIndex). `valid` false for a group that stands in only so that its
-// warp syncs whole (no loads, nothing read from its slots). fetch(pix)
-// returns pixel pix's raw vector (fetch_corners).
+// warp syncs whole (no loads, nothing read from its slots). by_p divides by
+// P (a point's level, FastDiv from the launcher). fetch(pix) returns pixel
+// pix's raw vector (fetch_corners).
 // kAhead (RowPoints): `next` holds the lane's point of the first round (a
 // kernel can issue its load before its barrier on the level table, which
 // the load does not need); each round loads the next round's point before
