@@ -194,7 +194,7 @@ for stage in $STAGES; do
       IFS=';' read -ra runs <<< "${PEER_ARGS:-ddetr_enc fp32}"
       i=0
       for r in "${runs[@]}"; do
-        ncu --clock-control none --profile-from-start off \
+        ncu --clock-control none --profile-from-start off -k regex:forward \
           --section SpeedOfLight --section WarpStateStats --section Occupancy --section LaunchStats \
           --section SchedulerStats --section MemoryWorkloadAnalysis_Tables \
           --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__inst_executed.sum,l1tex__data_pipe_lsu_wavefronts.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct,l1tex__m_xbar2l1tex_read_sectors.sum,lts__t_sector_hit_rate.pct,l1tex__throughput.avg.pct_of_peak_sustained_active" \

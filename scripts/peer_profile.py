@@ -1,7 +1,9 @@
 """One forward of ours (a backend) and of the Triton peer (roulbac/msda-triton,
 when importable) on one workload, inside a cudaProfilerStart/Stop range after
 warm-up (the peer autotunes then), for `ncu --profile-from-start off` side by
-side (the `peer` stage of gpu_check.sh).
+side (the `peer` stage of gpu_check.sh). The peer is called as the benchmark
+calls it (benchmarks.timing.PEERS: its 16-bit locations and weights cast per
+call; the stage's kernel filter leaves the casts out).
 
     python scripts/peer_profile.py [workload] [dtype] [backend]
 """
@@ -12,29 +14,30 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
+from benchmarks.run import DTYPES, rel_err  # noqa: E402
+from benchmarks.timing import PEERS  # noqa: E402
 from ms_deform_attn import testing as W  # noqa: E402
 from ms_deform_attn.reference import ms_deform_attn_pytorch  # noqa: E402
 
 name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
-dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[
-    sys.argv[2] if len(sys.argv) > 2 else "fp32"]
+dtype, loc_dtype = DTYPES[sys.argv[2] if len(sys.argv) > 2 else "fp32"]
 backend = sys.argv[3] if len(sys.argv) > 3 else "auto"
 wl = W.get(name)
-value, shapes, start, loc, attn = W.make_inputs(wl, dtype, torch.float32, device="cuda")
-runs = {backend: lambda: msda.ms_deform_attn(value, shapes, start, loc, attn, backend=backend,
+inputs = W.make_inputs(wl, dtype, loc_dtype, device="cuda")
+runs = {backend: lambda: msda.ms_deform_attn(*inputs, backend=backend,
                                               spatial_shapes_list=wl.levels)}
 try:
-    from msda_triton import multi_scale_deformable_attention as peer
-    loc16, attn16 = loc.to(dtype), attn.to(dtype)
-    runs["triton"] = lambda: peer(value, shapes, start, loc16, attn16)
+    peer = PEERS["triton"]()
+    runs["triton"] = lambda: peer(*inputs)
 except ImportError as exc:
     print("peer skipped:", exc)
+value, shapes, start, loc, attn = inputs
 ref = ms_deform_attn_pytorch(value.double(), shapes, start, loc.double(), attn.double())
 for _ in range(3):
     outs = {k: f() for k, f in runs.items()}
 torch.cuda.synchronize()
 for k, o in outs.items():
-    print(k, "rel. error", ((o.double() - ref).norm() / ref.norm()).item())
+    print(k, "rel. error", rel_err(o, ref))
 torch.cuda.profiler.start()
 for f in runs.values():
     f()
