@@ -6,9 +6,6 @@
 
 namespace msda {
 
-// Largest number of feature levels a call may have (checked at the API).
-constexpr int kMaxLevels = 16;
-
 enum class DType : int { f32 = 0, f16 = 1, bf16 = 2, f64 = 3 };
 
 // Bytes of one element of `t`.
@@ -42,14 +39,6 @@ inline int64_t sample_count(const Problem& pb) { return pb.N * pb.Lq * pb.M * pb
 // (cuda/launch_shapes.h) decides.
 enum class BlockedRows : int { automatic, shared, lane };
 
-// The level table as the host knows it (spatial_shapes_list, checked on the
-// host): L = 0 where the host has no shapes.
-struct HostLevels {
-  int L = 0;
-  int32_t H[kMaxLevels] = {}, W[kMaxLevels] = {};
-  int64_t start[kMaxLevels] = {};
-};
-
 struct ForwardParams {
   Problem pb;
   const void* value = nullptr;            // (N, S, M, D), pb.value_head_major: (N, M, S, D)
@@ -63,7 +52,6 @@ struct ForwardParams {
   int64_t smem_budget = -1;                // shared-memory bytes a caching backend may use (-1: its default)
   BlockedRows blocked_rows = BlockedRows::automatic;  // `blocked`'s set-up (a test hook)
   const int64_t* host_shapes = nullptr;    // (L, 2) (H, W) in host memory when pb.host_shapes
-  HostLevels host_levels;                  // the same, with the starts, for the kernels
   // ms_deform_attn_fused (baseline, blocked): with ref set, loc holds the
   // sampling offsets, attn the attention logits, and ref the reference
   // points (N, Lq, L, ref_dim) in float32, ref_dim 2 (points) or 4 (boxes).

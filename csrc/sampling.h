@@ -16,8 +16,6 @@
 #include <cstdint>
 #include <cmath>
 
-#include "params.h"
-
 #if defined(__CUDACC__)
 #define MSDA_HD __host__ __device__ __forceinline__
 #else
@@ -25,6 +23,9 @@
 #endif
 
 namespace msda {
+
+// Largest number of feature levels a call may have (checked at the API).
+constexpr int kMaxLevels = 16;
 
 // Accumulation type: fp64 for fp64 inputs, fp32 for everything else.
 template <typename T> struct AccType { using type = float; };

@@ -78,16 +78,6 @@ void set_inputs(Params& p, const Prepared& in) {
   p.attn = in.attn.data_ptr();
   if constexpr (std::is_same_v<Params, ForwardParams>) {
     p.host_shapes = in.host_shapes.empty() ? nullptr : in.host_shapes.data();
-    if (!in.host_shapes.empty()) {
-      int64_t start = 0;
-      p.host_levels.L = in.pb.L;
-      for (int l = 0; l < in.pb.L; ++l) {
-        p.host_levels.H[l] = static_cast<int32_t>(in.host_shapes[2 * l]);
-        p.host_levels.W[l] = static_cast<int32_t>(in.host_shapes[2 * l + 1]);
-        p.host_levels.start[l] = start;
-        start += in.host_shapes[2 * l] * in.host_shapes[2 * l + 1];
-      }
-    }
   }
 }
 

@@ -249,28 +249,10 @@ __device__ __forceinline__ RawLevel fetch_level(const int64_t* shapes, const int
   return r;
 }
 
-// PROTO: the host's table (checked there) in place of the device tensors.
-__device__ __forceinline__ RawLevel fetch_level(const ForwardParams& p) {
-  if (p.host_levels.L == 0) return fetch_level(p.spatial_shapes, p.level_start, p.pb.L);
-  RawLevel r;
-  const int l = static_cast<int>(threadIdx.x);
-  if (l < p.host_levels.L) {
-    r.H = p.host_levels.H[l];
-    r.W = p.host_levels.W[l];
-    r.start = p.host_levels.start[l];
-  }
-  return r;
-}
-
-__device__ __forceinline__ void store_levels(Level* lv, const RawLevel& r, int L, int64_t S,
-                                             bool checked = false) {
+__device__ __forceinline__ void store_levels(Level* lv, const RawLevel& r, int L, int64_t S) {
   static_assert(kMaxLevels <= 32, "one level a lane of warp 0");
   if (threadIdx.x >= 32) return;
   const int l = static_cast<int>(threadIdx.x);
-  if (checked) {
-    if (l < L) lv[l] = Level{int(r.H), int(r.W), r.start, false};
-    return;
-  }
   const int64_t H = r.H, W = r.W, st = r.start;
   const bool dims_ok = H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX;
   const int64_t area = l < L && dims_ok ? H * W : 0;

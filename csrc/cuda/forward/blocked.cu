@@ -82,7 +82,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   __shared__ Level levels[kMaxLevels];
   __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads];
   // The level table's load first: the set-up below runs under it.
-  const RawLevel raw_level = fetch_level(p);
+  const RawLevel raw_level = fetch_level(p.spatial_shapes, p.level_start, pb.L);
   // A group a row. Groups past the last query stay (loading nothing), so
   // that every warp syncs whole: a partial-mask __syncwarp costs a
   // convergence check each time. lanes is a power of two (lanes_for).
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   if constexpr (!kFused) {
     if (valid && lane < pb.L * pb.P) next.load(RowPoints<LT>{loc, attn}, lane);
   }
-  store_levels(levels, raw_level, pb.L, pb.S, p.host_levels.L > 0);
+  store_levels(levels, raw_level, pb.L, pb.S);
   __syncthreads();
   const HeadPixels<T, VEC> value(p, site.n, site.m);
   T* out = static_cast<T*>(p.out) + site.group * pb.D;
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
   LaneRow<T, kLaneRowPoints, LT, A> row{{site.points.loc, site.points.attn}, pb.L, pb.P,
                                         part * kLaneRowPoints, split * kLaneRowPoints};
   row.prefetch();  // under the level table's load (loaded here: earlier, its registers spill)
-  store_levels(levels, fetch_level(p), pb.L, pb.S, p.host_levels.L > 0);
+  load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
   if (!site.valid) return;  // a row's threads leave together: the shuffles below stay whole
   const unsigned mask = (row_threads == 32 ? 0xffffffffu : (1u << row_threads) - 1u)
