@@ -316,28 +316,6 @@ __device__ __forceinline__ void add_corners(A (&acc)[VEC], const Corners<A>& c,
   }
 }
 
-// gather_slots, software-pipelined: the next sample's slot is read and its
-// loads issued right after the current sample's sums, with no branch in
-// between, so the slot read and the address arithmetic wait under the loads
-// in flight. Same sums in the same order as gather_slots. (Two samples'
-// loads in flight spill at 64 registers and measured slower:
-// docs/performance.md.)
-template <typename T, typename A, int VEC, typename Fetch>
-__device__ __forceinline__ void gather_slots_pipelined(const GroupLanes& g, int count,
-                                                       const CornerSlots<A>& slots, A (&acc)[VEC],
-                                                       Fetch&& fetch) {
-  Corners<A> cur = slots.get(g.slot(0));
-  RawCorner<T, VEC> v[4];
-  fetch_corners<T, VEC>(cur, v, fetch);
-  for (int i = 1; i < count; ++i) {
-    const Corners<A> next = slots.get(g.slot(i));
-    add_corners<T, VEC>(acc, cur, v);
-    fetch_corners<T, VEC>(next, v, fetch);
-    cur = next;
-  }
-  add_corners<T, VEC>(acc, cur, v);
-}
-
 // A lane's point of a row (location and weight), loaded a round before
 // the round that resolves it (gather_row's kAhead form).
 template <typename A>
@@ -360,9 +338,11 @@ struct LanePoint {
 // kernel can issue its load before its barrier on the level table, which
 // the load does not need); each round loads the next round's point before
 // its gather, so that the locations' latency waits under the corner loads.
-// The gather is gather_slots_pipelined. Without kAhead (the fused form: its
-// points need the level table, and its set-up leaves no registers for the
-// pipeline): each round loads its points, gather_slots; `next` unused.
+// Without kAhead (the fused form: its points need the level table): each
+// round loads its points; `next` unused. The gather is gather_slots either
+// way (a software-pipelined one, the next sample's slot read and loads
+// issued before the current sample's sums, measured slower on trained-like
+// locations: docs/performance.md).
 template <typename T, bool kAhead, typename Points, typename A, int VEC, typename Fetch>
 __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P,
                                            const FastDiv& by_p, const Level* levels,
@@ -392,12 +372,8 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P,
     __syncwarp();
     const int count = min(g.lanes, LP - i0);
     if (gathers) {
-      if constexpr (kAhead) {
-        gather_slots_pipelined<T>(g, count, slots, acc, fetch);
-      } else {
-        gather_slots(g, count, slots, acc,
-                     [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
-      }
+      gather_slots(g, count, slots, acc,
+                   [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
     }
     __syncwarp();  // slots are rewritten by the next points
   }
