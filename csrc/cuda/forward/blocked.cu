@@ -43,11 +43,10 @@ struct RowSite {
 
 template <typename LT>
 __device__ __forceinline__ RowSite<LT> row_site(const ForwardParams& p, int rows, int row,
-                                                const RowDivisors& div,
-                                                uint32_t block = blockIdx.x) {
+                                                const RowDivisors& div) {
   const Problem& pb = p.pb;
-  const uint32_t nm = div.by_qblocks(block), n = div.by_heads(nm);
-  const uint32_t qb = block - nm * div.qblocks;
+  const uint32_t nm = div.by_qblocks(blockIdx.x), n = div.by_heads(nm);
+  const uint32_t qb = blockIdx.x - nm * div.qblocks;
   const int64_t q_at = int64_t(qb) * rows + row;
   RowSite<LT> r;
   r.valid = q_at < pb.Lq;
@@ -56,26 +55,6 @@ __device__ __forceinline__ RowSite<LT> row_site(const ForwardParams& p, int rows
   r.group = (r.n * pb.Lq + (r.valid ? q_at : pb.Lq - 1)) * pb.M + r.m;
   r.points = query_row<LT>(p, r.group);
   return r;
-}
-
-// The rows of block blockIdx.x + ahead, the one that starts about when this
-// one ends (ahead: as many blocks as are resident at once; 0 where the grid
-// is one wave): the block's last `rows` threads fetch their locations and
-// weights into L2 while they would wait at the level table's barrier, so
-// that block's first loads come from L2 instead of DRAM.
-template <typename LT>
-__device__ __forceinline__ void prefetch_later_rows(const ForwardParams& p, int rows,
-                                                    const RowDivisors& div, uint32_t ahead) {
-  const int row = static_cast<int>(threadIdx.x) - (static_cast<int>(blockDim.x) - rows);
-  if (ahead == 0 || row < 0 || blockIdx.x + ahead >= gridDim.x) return;
-  const auto site = row_site<LT>(p, rows, row, div, blockIdx.x + ahead);
-  if (!site.valid) return;
-  const int LP = p.pb.L * p.pb.P;
-  const QueryRow<LT> pts = site.points;
-  for (const void* a : {static_cast<const void*>(pts.loc), static_cast<const void*>(pts.loc + 2 * LP - 1),
-                        static_cast<const void*>(pts.attn), static_cast<const void*>(pts.attn + LP - 1)}) {
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
-  }
 }
 
 // Loads of head m's channels of batch n's pixels: at(c) gives the fetch of
@@ -97,8 +76,7 @@ struct HeadPixels {
 template <typename T, typename LT, int VEC, bool kFused>
 // At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
 __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
-    blocked_forward_kernel(const ForwardParams p, const int lanes, const RowDivisors div,
-                           const uint32_t ahead) {
+    blocked_forward_kernel(const ForwardParams p, const int lanes, const RowDivisors div) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
@@ -110,8 +88,8 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   // convergence check each time. lanes is a power of two (lanes_for).
   const int shift = __ffs(lanes) - 1;
   const int lane = static_cast<int>(threadIdx.x) & (lanes - 1);
-  const int rows = static_cast<int>(blockDim.x) >> shift;
-  const auto site = row_site<LT>(p, rows, static_cast<int>(threadIdx.x) >> shift, div);
+  const auto site = row_site<LT>(p, static_cast<int>(blockDim.x) >> shift,
+                                 static_cast<int>(threadIdx.x) >> shift, div);
   const bool valid = site.valid;
   const auto [loc, attn] = site.points;
   // The lane's first point, loaded under the level table's load (gather_row's
@@ -120,7 +98,6 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   if constexpr (!kFused) {
     if (valid && lane < pb.L * pb.P) next.load(RowPoints<LT>{loc, attn}, lane);
   }
-  prefetch_later_rows<LT>(p, rows, div, ahead);
   store_levels(levels, raw_level, pb.L, pb.S);
   __syncthreads();
   const HeadPixels<T, VEC> value(p, site.n, site.m);
@@ -222,15 +199,13 @@ struct Launch {
     const auto blocks = static_cast<unsigned>(qblocks * pb.N * pb.M);  // < 2^31: the predicate
     const int resident = kForwardBlocksPerSm * kThreads / threads;  // an SM, by the register cap
     auto divisors = [&](int64_t per_head) { return RowDivisors(per_head, pb.M, pb.P); };
-    const int64_t wave = int64_t(resident) * d.sms;  // blocks resident at once
-    const auto ahead = static_cast<uint32_t>(blocks > wave ? wave : 0);
     if (p.ref != nullptr) {
       // The fused operator sends no fp64 values here (fused_forward_cuda).
       if constexpr (std::is_same_v<acc_t<T>, float>) {
         err = fit_carveout<blocked_forward_kernel<T, LT, VEC, true>>(resident);
         if (err != cudaSuccess) return err;
         blocked_forward_kernel<T, LT, VEC, true><<<blocks, threads, 0, stream>>>(
-            p, lanes, divisors(qblocks), ahead);
+            p, lanes, divisors(qblocks));
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
@@ -255,7 +230,7 @@ struct Launch {
     err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(resident);
     if (err != cudaSuccess) return err;
     blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(
-        p, lanes, divisors(qblocks), ahead);
+        p, lanes, divisors(qblocks));
     return cudaGetLastError();
   }
 };
