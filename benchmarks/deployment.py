@@ -62,22 +62,23 @@ def main():
     except ImportError:
         ort = None
         print("onnxruntime is not installed: no ONNX Runtime rows", file=sys.stderr)
-    if ort is not None:
-        path = args.onnx
-        if path is None:
-            from ms_deform_attn.onnx import export_onnx
-            path = os.path.join(tempfile.mkdtemp(), "detector.onnx")
-            export_onnx(detector, (pixels,), path)
-        for provider in ("CPUExecutionProvider", "CUDAExecutionProvider"):
-            if provider not in ort.get_available_providers():
-                print(f"onnxruntime has no {provider}", file=sys.stderr)
-                continue
-            session = ort.InferenceSession(path, providers=[provider])
-            feeds = {session.get_inputs()[0].name: pixels.numpy()}
-            got = torch.from_numpy(session.run(None, feeds)[0]).double()
-            err = float((got - expected).norm() / expected.norm())
-            rows.append((f"ONNX Runtime {ort.__version__} (error {err:.1e})", provider[:-len("ExecutionProvider")],
-                         median_ms(lambda: session.run(None, feeds), args.runs)))
+    with tempfile.TemporaryDirectory() as scratch:  # the export, removed after its rows
+        if ort is not None:
+            path = args.onnx
+            if path is None:
+                from ms_deform_attn.onnx import export_onnx
+                path = os.path.join(scratch, "detector.onnx")
+                export_onnx(detector, (pixels,), path)
+            for provider in ("CPUExecutionProvider", "CUDAExecutionProvider"):
+                if provider not in ort.get_available_providers():
+                    print(f"onnxruntime has no {provider}", file=sys.stderr)
+                    continue
+                session = ort.InferenceSession(path, providers=[provider])
+                feeds = {session.get_inputs()[0].name: pixels.numpy()}
+                got = torch.from_numpy(session.run(None, feeds)[0]).double()
+                err = float((got - expected).norm() / expected.norm())
+                rows.append((f"ONNX Runtime {ort.__version__} (error {err:.1e})", provider[:-len("ExecutionProvider")],
+                             median_ms(lambda: session.run(None, feeds), args.runs)))
     print(f"| path | device | ms, 1 x 3 x {h} x {w} |\n|---|---|---:|")
     for name, device, ms in rows:
         print(f"| {name} | {device} | {ms:.2f} |")
