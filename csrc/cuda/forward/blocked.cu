@@ -10,9 +10,6 @@
 #include "../device/sampler.cuh"
 #include "../launch.h"
 
-#include <cstdio>
-#include <cstdlib>
-
 namespace msda::cuda {
 namespace {
 
@@ -179,111 +176,6 @@ __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
   }
 }
 
-// PROTO (warp-specialised rows, MSDA_PROTO_WS=1): warp 0 resolves the
-// samples of 28 rows at a time into a two-stage ring; warps 1-7 (28 groups
-// of 8 lanes) gather them, so that a row's set-up runs under other rows'
-// gathers. fp32, D = 32, L * P <= 16, standard layout only.
-constexpr int kWsGroups = 28, kWsMaxLP = 16, kWsChunk = 7;
-// Named barriers 1-2 (stage s full) and 3-4 (stage s empty), ids fixed at
-// compile time so that the kernel reserves 5 of them.
-__device__ __forceinline__ void ws_sync(int id) {
-  switch (id) {
-    case 1: asm volatile("bar.sync 1, 256;" ::: "memory"); break;
-    case 2: asm volatile("bar.sync 2, 256;" ::: "memory"); break;
-    case 3: asm volatile("bar.sync 3, 256;" ::: "memory"); break;
-    default: asm volatile("bar.sync 4, 256;" ::: "memory"); break;
-  }
-}
-__device__ __forceinline__ void ws_arrive(int id) {
-  switch (id) {
-    case 1: asm volatile("bar.arrive 1, 256;" ::: "memory"); break;
-    case 2: asm volatile("bar.arrive 2, 256;" ::: "memory"); break;
-    case 3: asm volatile("bar.arrive 3, 256;" ::: "memory"); break;
-    default: asm volatile("bar.arrive 4, 256;" ::: "memory"); break;
-  }
-}
-template <typename T, typename LT, int VEC>
-__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
-    ws_forward_kernel(const ForwardParams p, const RowDivisors div, const int pw, const int iters) {
-  using A = acc_t<T>;
-  const Problem& pb = p.pb;
-  __shared__ Level levels[kMaxLevels];
-  __shared__ int4 ring_pix[2][kWsGroups * kWsMaxLP];
-  __shared__ Weights4<A> ring_w[2][kWsGroups * kWsMaxLP];
-  store_levels(levels, fetch_level(p.spatial_shapes, p.level_start, pb.L), pb.L, pb.S);
-  __syncthreads();
-  const uint32_t nm = div.by_qblocks(blockIdx.x), n = div.by_heads(nm);
-  const uint32_t qb = blockIdx.x - nm * div.qblocks;
-  const int m = static_cast<int>(nm - n * div.heads);
-  const int groups = (8 - pw) * 4;
-  const int64_t q0 = int64_t(qb) * (groups * iters);
-  const int LP = pb.L * pb.P;
-  if (static_cast<int>(threadIdx.x) < 32 * pw) {
-    const int lane = static_cast<int>(threadIdx.x), plan = 32 * pw;
-    const int items = groups * LP;
-    for (int it = 0; it < iters; ++it) {
-      const int s = it & 1;
-      if (it >= 2) ws_sync(3 + s);
-      for (int base = 0; base < items; base += plan * kWsChunk) {
-        A x[kWsChunk], y[kWsChunk], w[kWsChunk];
-        int r[kWsChunk], i[kWsChunk];
-        bool ok[kWsChunk];
-#pragma unroll
-        for (int k = 0; k < kWsChunk; ++k) {
-          const int item = base + k * plan + lane;
-          r[k] = item / LP;
-          i[k] = item - r[k] * LP;
-          const int64_t q = q0 + it * groups + r[k];
-          ok[k] = item < items && q < pb.Lq;
-          x[k] = y[k] = w[k] = A(0);
-          if (ok[k]) {
-            const auto pts = query_row<LT>(p, (int64_t(n) * pb.Lq + q) * pb.M + m);
-            load_point(pts.loc, pts.attn, i[k], x[k], y[k], w[k]);
-          }
-        }
-#pragma unroll
-        for (int k = 0; k < kWsChunk; ++k) {
-          if (base + k * plan + lane >= items) continue;
-          Corners<A> c{{kNoSample, 0, 0, 0}, {A(0), A(0), A(0), A(0)}};
-          if (ok[k]) {
-            const Level lv = levels[div.by_points(static_cast<uint32_t>(i[k]))];
-            c = resolve_sample(x[k], y[k], lv.weight(w[k]), lv.H, lv.W,
-                               MapIndex{static_cast<int>(lv.start), lv.W});
-          }
-          const int slot = r[k] * kWsMaxLP + i[k];
-          ring_pix[s][slot] = make_int4(c.pix[0], c.pix[1], c.pix[2], c.pix[3]);
-          ring_w[s][slot] = Weights4<A>{{c.w[0], c.w[1], c.w[2], c.w[3]}};
-        }
-      }
-      ws_arrive(1 + s);
-    }
-  } else {
-    const int g = (static_cast<int>(threadIdx.x) - 32 * pw) / 8, lane = threadIdx.x & 7;
-    const HeadPixels<T, VEC> value(p, n, m);
-    const auto fetch = value.at(lane * VEC);
-    for (int it = 0; it < iters; ++it) {
-      const int s = it & 1;
-      ws_sync(1 + s);
-      A acc[VEC];
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] = A(0);
-      for (int i = 0; i < LP; ++i) {
-        const int4 pp = ring_pix[s][g * kWsMaxLP + i];
-        if (pp.x == kNoSample) continue;
-        const Weights4<A> ww = ring_w[s][g * kWsMaxLP + i];
-        const Corners<A> c{{pp.x, pp.y, pp.z, pp.w}, {ww.v[0], ww.v[1], ww.v[2], ww.v[3]}};
-        gather_corners(acc, c, [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
-      }
-      if (it < iters - 2) ws_arrive(3 + s);
-      const int64_t q = q0 + it * groups + g;
-      if (q < pb.Lq) {
-        T* out = static_cast<T*>(p.out) + ((int64_t(n) * pb.Lq + q) * pb.M + m) * pb.D;
-        store_vec<T, VEC>(out + lane * VEC, acc);
-      }
-    }
-  }
-}
-
 template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
@@ -292,22 +184,6 @@ struct Launch {
     if (err != cudaSuccess) return err;
     const Problem& pb = p.pb;
     const int lanes = lanes_for(pb.D, VEC);
-    if constexpr (std::is_same_v<T, float> && VEC == 4) {
-      const char* ws = std::getenv("MSDA_PROTO_WS");
-      int pw = 0, iters = 0;
-      if (ws != nullptr) std::sscanf(ws, "%d,%d", &pw, &iters);
-      if ((pw == 1 || pw == 2) && iters >= 2 && p.ref == nullptr && pb.D == 32 &&
-          pb.L * pb.P <= kWsMaxLP && !pb.value_head_major) {
-        const int64_t rows = int64_t(8 - pw) * 4 * iters;
-        const int64_t qblocks = (pb.Lq + rows - 1) / rows;
-        err = fit_carveout<ws_forward_kernel<T, LT, VEC>>(kForwardBlocksPerSm);
-        if (err != cudaSuccess) return err;
-        ws_forward_kernel<T, LT, VEC>
-            <<<static_cast<unsigned>(qblocks * pb.N * pb.M), kThreads, 0, stream>>>(
-                p, RowDivisors(qblocks, pb.M, pb.P), pw, iters);
-        return cudaGetLastError();
-      }
-    }
     auto qblocks_for = [&](int threads) {
       const int64_t groups = threads / lanes;
       return (pb.Lq + groups - 1) / groups;
