@@ -157,6 +157,11 @@ def ms_deform_attn_fused(
         (N, Lq, M * D) in value's dtype; gradients come back in each input's
         dtype.
     """
+    if backend == REFERENCE_BACKEND:
+        from .reference import fused_locations_and_weights, ms_deform_attn_pytorch
+        loc, weights = fused_locations_and_weights(spatial_shapes, reference_points,
+                                                   sampling_offsets, attention_logits)
+        return ms_deform_attn_pytorch(value, spatial_shapes, level_start_index, loc, weights)
     return _lib.ms_deform_attn_fused(
         value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
         attention_logits, backend, deterministic, _flat_shapes(spatial_shapes_list),

@@ -17,12 +17,18 @@ def ms_deform_attn_pytorch(
     sampling_locations: torch.Tensor,
     attention_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """Same semantics as ms_deform_attn.ms_deform_attn; computes in value's dtype."""
+    """Same semantics as ms_deform_attn.ms_deform_attn, with the kernels'
+    arithmetic: 16-bit values are sampled and summed in float32 (float64
+    stays float64) and the result is returned in value's dtype, so that it
+    meets the kernels' accuracy against float64; gradients come back in each
+    input's dtype through PyTorch's autograd."""
     n, _, m, d = value.shape
     _, lq, _, n_levels, n_points, _ = sampling_locations.shape
     shapes = spatial_shapes.tolist()
     starts = level_start_index.tolist()
-    dtype = value.dtype
+    out_dtype = value.dtype
+    dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+    value = value.to(dtype)
     # grid_sample's grid lives in [-1, 1]; (N, Lq, M, L, P, 2) -> per level (N*M, Lq, P, 2).
     grid = (2 * sampling_locations.to(dtype) - 1).transpose(1, 2).flatten(0, 1)
     sampled = []
@@ -38,7 +44,7 @@ def ms_deform_attn_pytorch(
     stacked = torch.cat(sampled, dim=-1)  # (N*M, D, Lq, L*P), level-major like the weights
     weights = attention_weights.to(dtype).transpose(1, 2).reshape(n * m, 1, lq, n_levels * n_points)
     out = (stacked * weights).sum(-1)  # (N*M, D, Lq)
-    return out.view(n, m * d, lq).transpose(1, 2).contiguous()
+    return out.view(n, m * d, lq).transpose(1, 2).contiguous().to(out_dtype)
 
 
 def ms_deform_attn_gather(

@@ -20,12 +20,16 @@ def kernel_backends(device):
     return [b for b in msda.available_backends(device) if b != "pytorch"]
 
 
-def device_backends():
+def device_backends(reference=False):
     """("cpu", "cpu") plus ("cuda", b) for every CUDA backend; CUDA entries
-    skip cleanly when there is no GPU."""
+    skip cleanly when there is no GPU. `reference`: also ("cpu", "pytorch")
+    and ("cuda", "pytorch"), the grid_sample backend, which meets the same
+    accuracy contract as the kernels."""
     params = [pytest.param("cpu", "cpu", id="cpu")]
+    if reference:
+        params.append(pytest.param("cpu", "pytorch", id="cpu-pytorch"))
     if torch.cuda.is_available():
-        for b in kernel_backends("cuda"):
+        for b in kernel_backends("cuda") + (["pytorch"] if reference else []):
             params.append(pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.cuda))
     else:
         params.append(pytest.param("cuda", "none", id="cuda",

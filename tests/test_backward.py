@@ -38,7 +38,7 @@ def nondet_tol(deterministic):
 
 @MODES
 @LAYOUTS
-@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("device,backend", device_backends(reference=True))
 @pytest.mark.parametrize("shape", [
     (1, 5, 2, 4, [(4, 5)], 2),
     (2, 6, 3, 8, [(5, 3), (2, 4)], 3),
@@ -78,7 +78,7 @@ def test_gradients_on_pixel_borders(device, backend, deterministic):
 
 
 @MODES
-@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("device,backend", device_backends(reference=True))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("loc_fp32", [False, True], ids=["loc_same", "loc_fp32"])

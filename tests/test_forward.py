@@ -20,7 +20,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("device,backend", device_backends(reference=True))
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).split(".")[-1])
 @pytest.mark.parametrize("loc_fp32", [False, True], ids=["loc_same", "loc_fp32"])
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -34,7 +34,7 @@ def test_forward_matches_reference(device, backend, dtype, loc_fp32, case):
     assert rel_err(out, reference64(*inputs)) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("device,backend", device_backends(reference=True))
 def test_mixed_location_and_weight_dtypes(device, backend):
     value, shapes, start, loc, attn = make_inputs(2, 17, 8, 32, [(6, 5), (3, 3)], 4,
                                                   torch.bfloat16, device=device)
@@ -100,7 +100,7 @@ def test_head_major_value_is_not_copied():
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("device,backend", device_backends(reference=True))
 @pytest.mark.parametrize("n,lq", [(0, 5), (2, 0), (0, 0)])
 def test_empty(device, backend, n, lq):
     value, shapes, start, loc, attn = make_inputs(max(n, 1), max(lq, 1), 2, 8, [(3, 4)], 2,
@@ -131,7 +131,7 @@ def test_non_finite_samples_make_their_rows_nan(device, backend):
     assert rel_err(out, reference64(value, shapes, start, loc, attn)) <= TOL[torch.float32]
 
 
-@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("device,backend", device_backends(reference=True))
 def test_samples_outside_the_map_read_nothing(device, backend):
     """A sample whose footprint misses the map adds nothing, whatever the
     values: with every value NaN and every location outside, the output is

@@ -54,7 +54,7 @@ def composed(value, shapes, start, ref, off, logits, op=None, **kw):
     return op(value, shapes, start, loc, weights, **kw)
 
 
-@pytest.mark.parametrize("device,backend", device_backends())
+@pytest.mark.parametrize("device,backend", device_backends(reference=True))
 @pytest.mark.parametrize("boxes", [False, True], ids=["points", "boxes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_fused_matches_composed_reference(device, backend, boxes, dtype):
