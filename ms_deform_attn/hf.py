@@ -188,8 +188,9 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     """The forward of transformers' DeformableDetrMultiscaleDeformableAttention
     (and of the layers that share it) on ms_deform_attn_fused: the sampling
     locations and the softmax formed inside the operator. The attention
-    weights it returns are computed, without gradient, only when the caller
-    will use them (output_attentions); None otherwise."""
+    weights it returns are computed only when the caller will use them
+    (output_attentions), in the graph as transformers' layer computes them
+    (gradients reach the logits through them); None otherwise."""
     if position_embeddings is not None:
         hidden_states = hidden_states + position_embeddings
     n, lq, _ = hidden_states.shape
@@ -209,8 +210,7 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
                                       spatial_shapes_list=spatial_shapes_list)
     weights = None
     if _attention_weights_wanted(kwargs):
-        with torch.no_grad():
-            weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
+        weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
     return layers._linear(self.output_proj, output), weights
 
 
@@ -272,7 +272,10 @@ def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True,
                 if fused and _runs_deformable_detr_forward(parent):
                     parent._msda_backend = backend
                     parent._msda_recompute = recompute
-                    parent.forward = _fused_layer_forward.__get__(parent)
+                    # A partial of the module-level function, not a bound
+                    # method: it pickles (torch.save of the whole model,
+                    # copy.deepcopy, multiprocessing) and unpickles.
+                    parent.forward = functools.partial(_fused_layer_forward, parent)
     families = {type(m).__module__ for m in model.modules()}
     for modname in _FUNCTION_MODULES:
         module = sys.modules.get(modname)

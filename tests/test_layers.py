@@ -752,3 +752,102 @@ def test_fused_layer_attention_weights_only_when_wanted():
             assert _attention_weights_wanted({}) == wanted, collected
         finally:
             _active_collector.reset(token)
+
+
+def _attention_outputs(res):
+    """Every attention tensor a transformers model output holds, by field."""
+    found = {}
+
+    def walk(name, item):
+        if isinstance(item, torch.Tensor):
+            found[name] = item
+        elif isinstance(item, (tuple, list)):
+            for i, x in enumerate(item):
+                walk(f"{name}[{i}]", x)
+
+    for key in res.keys():
+        if "attentions" in key:
+            walk(key, res[key])
+    return found
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_transformers_swap_attentions_carry_gradients(name, monkeypatch):
+    """The attention weights a swapped model returns (output_attentions)
+    are in the graph exactly where transformers' own are: retain_grad works
+    on them and a loss on them gives transformers' own parameter gradients."""
+    import copy
+
+    from ms_deform_attn.hf import swap_msda
+
+    factory, (h, w), extra, output, sites = HF_MODELS[name]
+    own = factory("cpu")
+    if name == "mask2former":
+        from transformers.models.mask2former import modeling_mask2former as m2f
+        monkeypatch.setattr(m2f, "multi_scale_deformable_attention",
+                            m2f.multi_scale_deformable_attention)
+    swapped = copy.deepcopy(own)
+    assert swap_msda(swapped) == sites
+    inputs = {"pixel_values": torch.randn(2, 3, h, w)}
+    inputs.update(extra("cpu") if extra else {})
+    found = []
+    for model in (own, swapped):
+        attentions = _attention_outputs(model(**inputs, output_attentions=True))
+        for a in attentions.values():
+            if a.requires_grad:
+                a.retain_grad()
+        loss = sum((a.double() * torch.linspace(0, 1, a.numel()).view(a.shape)).sum()
+                   for a in attentions.values() if a.requires_grad)
+        if torch.is_tensor(loss):
+            loss.backward()
+        found.append(attentions)
+    assert found[0].keys() == found[1].keys() and found[0], name
+    for key, theirs in found[0].items():
+        ours = found[1][key]
+        assert ours.requires_grad == theirs.requires_grad, key
+        assert rel_err(ours, theirs.detach().double()) <= 1e-5, key
+        if theirs.requires_grad:
+            assert ours.grad is not None, key
+    for (na, pa), (nb, pb) in zip(swapped.named_parameters(), own.named_parameters()):
+        assert na == nb and (pa.grad is None) == (pb.grad is None), na
+        if pb.grad is not None and pb.grad.norm() > 0:
+            assert rel_err(pa.grad, pb.grad.double()) <= 1e-4, na
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_transformers_swapped_model_pickles(name, monkeypatch, tmp_path):
+    """A swapped model survives whole-model torch.save / torch.load,
+    copy.deepcopy and the pickling multiprocessing does, and the copies
+    compute what it computes."""
+    import copy
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from ms_deform_attn.hf import swap_msda
+
+    factory, (h, w), extra, output, sites = HF_MODELS[name]
+    model = factory("cpu")
+    try:
+        pickle.dumps(model)
+    except (AttributeError, pickle.PicklingError) as e:
+        pytest.skip(f"transformers' own {name} model does not pickle: {e}")
+    if name == "mask2former":
+        from transformers.models.mask2former import modeling_mask2former as m2f
+        monkeypatch.setattr(m2f, "multi_scale_deformable_attention",
+                            m2f.multi_scale_deformable_attention)
+    assert swap_msda(model) == sites
+    # Copied before the first forward: transformers' own models do not pickle
+    # after one (its output-capturing hooks are local functions).
+    torch.save(model, tmp_path / "model.pt")
+    copies = [torch.load(tmp_path / "model.pt", weights_only=False), copy.deepcopy(model),
+              pickle.loads(bytes(ForkingPickler.dumps(model)))]
+    inputs = {"pixel_values": torch.randn(2, 3, h, w)}
+    inputs.update(extra("cpu") if extra else {})
+    with torch.no_grad():
+        expected = getattr(model(**inputs), output)
+    for other in copies:
+        fused = [m for m in other.modules() if hasattr(m, "_msda_backend")]
+        # The copies' fused layers run their own parameters, not the original's.
+        assert all(m.forward.args[0] is m for m in fused)
+        with torch.no_grad():
+            assert torch.equal(getattr(other(**inputs), output), expected)
