@@ -183,7 +183,7 @@ def openmp_flag():
 def library():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT)
                                  for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
-    sources = (rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + rel("csrc/autograd/*.cpp")
+    sources = (rel("csrc/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp") + rel("csrc/autograd/*.cpp")
                + rel("csrc/autocast/*.cpp"))
     cxx = ["-O3"]
     if os.environ.get("MSDA_DEBUG", "0") == "1":

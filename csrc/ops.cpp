@@ -7,9 +7,9 @@
 
 #include "ops.h"
 
-#include "backends.h"
-#include "backward_plan.h"
+#include "backend_queries.h"
 #include "cuda_archs.h"
+#include "plan/backward_plan.h"
 #include "ms_deform_attn/ms_deform_attn.h"
 #include "validation.h"
 
@@ -80,34 +80,83 @@ at::Tensor call_fused_forward(const at::Tensor& value, const at::Tensor& spatial
 
 namespace {
 
-// The queries validate the inputs (no copies) and ask the backend table.
+// A device described by the caller, [major, minor, sms, smem_optin,
+// smem_per_sm, smem_reserved] (DeviceInfo's fields): the queries' way to ask
+// the planners about a device that is not there.
+std::optional<DeviceInfo> described_device(at::OptionalIntArrayRef device) {
+  if (!device.has_value()) return std::nullopt;
+  TORCH_CHECK(device->size() == 6, "ms_deform_attn: device must be [major, minor, sms, "
+              "smem_optin, smem_per_sm, smem_reserved], got ", device->size(), " numbers");
+  const auto& v = *device;
+  DeviceInfo d;
+  d.major = static_cast<int>(v[0]);
+  d.minor = static_cast<int>(v[1]);
+  d.sms = static_cast<int>(v[2]);
+  d.smem_optin = v[3];
+  d.smem_per_sm = v[4];
+  d.smem_reserved = v[5];
+  return d;
+}
+
+// The queries validate the inputs (no copies) and ask the planners.
+ForwardProblem forward_problem(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                               const at::Tensor& level_start_index,
+                               const at::Tensor& sampling_locations,
+                               const at::Tensor& attention_weights, c10::string_view backend,
+                               at::OptionalIntArrayRef spatial_shapes_list, bool fused = false) {
+  ForwardProblem p;
+  p.pb = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
+                      attention_weights, backend, spatial_shapes_list)
+             .pb;
+  p.fused = fused;
+  p.value_align = pointer_alignment(value.data_ptr());
+  return p;
+}
+
 std::string select(const at::Tensor& value, const at::Tensor& spatial_shapes,
                    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                    const at::Tensor& attention_weights,
                    at::OptionalIntArrayRef spatial_shapes_list) {
-  const Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
-                                 attention_weights, "auto", spatial_shapes_list);
-  return select_backend(c.pb, value.device());
+  const ForwardProblem p = forward_problem(value, spatial_shapes, level_start_index,
+                                           sampling_locations, attention_weights, "auto",
+                                           spatial_shapes_list);
+  return backend_name(forward_plan(p, value.device(), "auto").backend);
+}
+
+// The forward's plan for these inputs as "backend=... composite=... ..."
+// (plan/forward_plan.h), on value's device or on the one `device` describes.
+std::string forward_plan_text(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                              const at::Tensor& level_start_index,
+                              const at::Tensor& sampling_locations,
+                              const at::Tensor& attention_weights,
+                              at::OptionalIntArrayRef spatial_shapes_list, bool fused,
+                              c10::string_view backend, at::OptionalIntArrayRef device) {
+  const ForwardProblem p = forward_problem(value, spatial_shapes, level_start_index,
+                                           sampling_locations, attention_weights, backend,
+                                           spatial_shapes_list, fused);
+  return to_string(forward_plan(p, value.device(), backend, described_device(device)));
 }
 
 std::string reason(const at::Tensor& value, const at::Tensor& spatial_shapes,
                    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                    const at::Tensor& attention_weights, c10::string_view backend,
                    at::OptionalIntArrayRef spatial_shapes_list) {
-  const Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
-                                 attention_weights, backend, spatial_shapes_list);
-  return backend_reason(backend, c.pb, value.device());
+  const ForwardProblem p = forward_problem(value, spatial_shapes, level_start_index,
+                                           sampling_locations, attention_weights, backend,
+                                           spatial_shapes_list);
+  return backend_reason(backend, p, value.device());
 }
 
-// The plan the CUDA backward makes for these inputs (backward_plan.h), as
-// "grad_value=... dots=... vec=... gather=... gather_vec=... composite=...".
-// The device's limits are those of value's CUDA device, else of a device of
-// `sms` SMs (default 132, an H100) on which every kernel fits; grad_output is
-// taken as contiguous and 32-byte aligned, as autograd hands it over.
+// The plan the CUDA backward makes for these inputs (plan/backward_plan.h),
+// as "grad_value=... dots=... vec=... gather=... gather_vec=... composite=...".
+// The device is the one `device` describes, else value's CUDA device, else
+// an H100 (DeviceInfo's defaults); `sms` > 0 replaces its SM count.
+// grad_output is taken as contiguous and 32-byte aligned, as autograd hands
+// it over.
 std::string backward_path(const at::Tensor& value, const at::Tensor& spatial_shapes,
                           const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                           const at::Tensor& attention_weights, bool fused, bool deterministic,
-                          c10::string_view grad_value, int64_t sms) {
+                          c10::string_view grad_value, int64_t sms, at::OptionalIntArrayRef device) {
   const Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                  attention_weights, "auto", std::nullopt);
   BackwardProblem p;
@@ -115,8 +164,12 @@ std::string backward_path(const at::Tensor& value, const at::Tensor& spatial_sha
   p.fused = fused;
   p.value_align = pointer_alignment(value.data_ptr());
   p.grad_out_align = 32;
-  BackwardDevice d;
-  if (value.is_cuda() && cuda_hooks().backward_device != nullptr) d = cuda_hooks().backward_device(value.get_device());
+  DeviceInfo d;
+  if (auto described = described_device(device)) {
+    d = *described;
+  } else if (value.is_cuda()) {
+    if (auto info = cuda_device_info(value.get_device())) d = *info;
+  }
   if (sms > 0) d.sms = static_cast<int>(sms);
   BackwardWishes w;
   w.deterministic = deterministic;
@@ -164,6 +217,11 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "Tensor sampling_locations, Tensor attention_weights, str backend, "
       "int[]? spatial_shapes_list=None) -> str",
       &msda::reason);
+  m.def(
+      "_select_forward_plan(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
+      "Tensor sampling_locations, Tensor attention_weights, int[]? spatial_shapes_list=None, "
+      "bool fused=False, str backend=\"auto\", int[]? device=None) -> str",
+      &msda::forward_plan_text);
   // Whether this build has the CUDA kernels (setup.py defines MSDA_WITH_CUDA).
   m.def("_built_with_cuda() -> bool", [] {
 #ifdef MSDA_WITH_CUDA
@@ -183,7 +241,7 @@ TORCH_LIBRARY(ms_deform_attn, m) {
   m.def(
       "_select_backward_path(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, bool fused=False, "
-      "bool deterministic=False, str grad_value=\"auto\", int sms=-1) -> str",
+      "bool deterministic=False, str grad_value=\"auto\", int sms=-1, int[]? device=None) -> str",
       &msda::backward_path);
 }
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "backward_plan.h"
+#include "plan/backward_plan.h"
 #include "params.h"
 
 namespace msda {

@@ -11,6 +11,15 @@ enum class DType : int { f32 = 0, f16 = 1, bf16 = 2, f64 = 3 };
 // Bytes of one element of `t`.
 inline int64_t dtype_bytes(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
 
+// The largest power of two dividing ptr's address, at most 32 (the widest
+// vector a kernel reads): the alignments the planners take.
+inline int pointer_alignment(const void* ptr) {
+  const auto a = reinterpret_cast<uintptr_t>(ptr);
+  int align = 1;
+  while (align < 32 && a % (2 * align) == 0) align *= 2;
+  return align;
+}
+
 struct Problem {
   int64_t N = 0;   // batch
   int64_t S = 0;   // sum of H * W over levels
@@ -35,9 +44,29 @@ inline int64_t sample_count(const Problem& pb) { return pb.N * pb.Lq * pb.M * pb
 // weights of each location): `shared`, once a sample by one lane, handed to
 // the row's lanes through shared-memory slots; `lane`, by every lane of the
 // row itself, with more corner loads in flight and no warp syncs (faster
-// where warps are few: the decoders). `automatic`: lane_row_split()
-// (cuda/launch_shapes.h) decides.
+// where warps are few: the decoders). `automatic`: the forward planner
+// decides (lane_row_split(), plan/launch_shapes.h).
 enum class BlockedRows : int { automatic, shared, lane };
+
+// The forward backends with kernels of their own.
+enum class ForwardBackend : int { cpu, tma, cluster, persistent, blocked, baseline };
+
+// The forward's plan (plan/forward_plan.h decides it): the backend, and how
+// its kernel is launched. Trivially copyable: it travels in ForwardParams.
+struct ForwardPlan {
+  ForwardBackend backend = ForwardBackend::baseline;
+  bool composite = false;    // ms_deform_attn_fused: the ATen composite serves it
+  bool copy_value = false;   // value's data is copied first (the backend's alignment)
+  int vec = 1;               // elements a vector access (16 bytes, or 1)
+  int lanes = 1;             // threads of a (query, head) row's group (lanes_for)
+  int threads = 0;           // a block (baseline, blocked)
+  int split = 0;             // blocked: groups a row with per-lane set-up; 0: slots
+  int64_t blocks_per_head = 0;  // blocked: blocks a (batch, head)
+  int64_t blocks = 0;        // the grid (baseline, blocked)
+  int resident = 0;          // blocks an SM the shared-memory carve-out is sized for
+  int64_t smem_budget = 0;   // persistent, cluster: cache bytes; tma: its two stages' bytes
+  int64_t workspace = 0;     // bytes of zeroed scratch
+};
 
 struct ForwardParams {
   Problem pb;
@@ -47,10 +76,9 @@ struct ForwardParams {
   const void* loc = nullptr;               // (N, Lq, M, L, P, 2)
   const void* attn = nullptr;              // (N, Lq, M, L, P)
   void* out = nullptr;                     // (N, Lq, M * D)
-  int vec = 1;                             // elements per vector access
-  void* workspace = nullptr;               // zeroed scratch, as the backend asked for
-  int64_t smem_budget = -1;                // shared-memory bytes a caching backend may use (-1: its default)
-  BlockedRows blocked_rows = BlockedRows::automatic;  // `blocked`'s set-up (a test hook)
+  ForwardPlan plan;                        // how the kernel is launched
+  int vec = 1;                             // plan.vec (the dtype dispatch reads it from here)
+  void* workspace = nullptr;               // zeroed scratch, plan.workspace bytes
   const int64_t* host_shapes = nullptr;    // (L, 2) (H, W) in host memory when pb.host_shapes
   // ms_deform_attn_fused (baseline, blocked): with ref set, loc holds the
   // sampling offsets, attn the attention logits, and ref the reference
@@ -59,7 +87,7 @@ struct ForwardParams {
   int ref_dim = 0;
 };
 
-// The backward's plan (backward_plan.h decides it): how grad_value is
+// The backward's plan (plan/backward_plan.h decides it): how grad_value is
 // formed, which kernel forms the corner dots, the vector widths, and whether
 // the fused operator falls back to its ATen composite.
 enum class GradValuePath : int {
@@ -68,8 +96,8 @@ enum class GradValuePath : int {
   local,   // records grouped by cell inside a block per (n, m, level) (bitwise reproducible)
 };
 enum class DotsKernel : int {
-  ffma,      // backward_kernel: FFMA, lanes over channels
-  mma,       // dots_mma_kernel on tensor cores, whole (query, head) rows a warp task
+  ffma,      // ffma_dots_kernel: FFMA, lanes over channels
+  mma,       // mma_dots_kernel on tensor cores, whole (query, head) rows a warp task
   mma_flat,  // the same, all rows' sample slots one sequence (no idle lanes where L Pp does not divide 32)
   mma_rows,  // the fused operator's: a block task of whole rows (L Pp does not divide 32)
 };
@@ -100,7 +128,7 @@ struct BackwardParams {
   void* grad_attn = nullptr;       // like attn
   // plan.grad_value sorted: the dots kernel also writes, for every sample
   // (flat index (n, q, m, l, p)), the key of the bilinear cell its footprint
-  // lies in (cell_key() in cuda/grad_value_records.cuh) and the sample's index.
+  // lies in (cell_key() in cuda/device/grad_value_records.cuh) and the sample's index.
   void* cell_keys = nullptr;   // (samples,) uint32, or uint64 when wide_keys
   void* sample_ids = nullptr;  // (samples,) same type
   bool wide_keys = false;

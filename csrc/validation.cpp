@@ -1,6 +1,6 @@
 #include "validation.h"
 
-#include "backends.h"
+#include "plan/forward_plan.h"
 #include "overrides.h"
 #include "sampling.h"
 

@@ -25,7 +25,7 @@ struct Checked {
 // expected and the actual value:
 //   ranks, sizes, dtypes and devices of all five tensors;
 //   backend: "auto" or a known backend name (whether it can run the inputs
-//     is the backend table's question, backends.h);
+//     is the forward planner's question, plan/forward_plan.h);
 //   level shapes, wherever the host knows them: spatial_shapes and
 //     level_start_index when they are host tensors, spatial_shapes_list when
 //     given (each H, W > 0, H * W < 2^31, level_start_index the exclusive

@@ -201,11 +201,57 @@ def available_backends(device: Optional[Union[str, torch.device]] = None) -> Lis
 
 def select_backend(value, spatial_shapes, level_start_index, sampling_locations,
                    attention_weights, spatial_shapes_list=None) -> str:
-    """The backend that backend="auto" resolves to for these inputs."""
+    """The backend that backend="auto" resolves to for these inputs: the
+    "backend" of select_forward_plan(), which gives the whole plan."""
     return _lib._select_backend(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
         _flat_shapes(spatial_shapes_list),
     )
+
+
+def _device_list(device) -> Optional[List[int]]:
+    """A device description (a mapping with DeviceInfo's fields: major,
+    minor, sms, smem_optin, smem_per_sm, smem_reserved; testing.DEVICES has
+    some) as the queries' int list, or None."""
+    if device is None:
+        return None
+    keys = ("major", "minor", "sms", "smem_optin", "smem_per_sm", "smem_reserved")
+    missing = [k for k in keys if k not in device]
+    if missing:
+        raise ValueError(f"device must give {', '.join(keys)}; missing {', '.join(missing)}")
+    return [int(device[k]) for k in keys]
+
+
+def _parse_plan(text: str) -> Dict[str, object]:
+    plan: Dict[str, object] = {}
+    for item in text.split():
+        key, val = item.split("=")
+        plan[key] = (bool(int(val)) if key in ("composite", "copy_value")
+                     else int(val) if val.lstrip("-").isdigit() else val)
+    return plan
+
+
+def select_forward_plan(value, spatial_shapes, level_start_index, sampling_locations,
+                        attention_weights, *, spatial_shapes_list=None, fused: bool = False,
+                        backend: str = "auto", device=None) -> Dict[str, object]:
+    """The plan the forward makes for these inputs (csrc/plan/forward_plan.h):
+    {"backend", "composite" (ms_deform_attn_fused: the ATen composite
+    serves it), "copy_value" (value copied for the backend's alignment),
+    "vec", "lanes", "threads", "split" (`blocked`: groups a row with per-lane
+    set-up, 0 for the shared slots), "blocks_per_head", "blocks", "resident"
+    (blocks an SM the carve-out is sized for), "smem_budget" (the caching
+    backends' bytes), "workspace"}. `backend`: "auto" (the
+    MS_DEFORM_ATTN_BACKEND override applies) or a name; raises with the
+    reason when it cannot run these inputs. On value's device (CPU tensors:
+    the `cpu` kernel), or on the CUDA device `device` describes (a mapping
+    of major, minor, sms, smem_optin, smem_per_sm, smem_reserved:
+    ms_deform_attn.testing.DEVICES), which need not be there. `fused`: the
+    plan of ms_deform_attn_fused for the same sizes."""
+    if backend == REFERENCE_BACKEND:
+        return {"backend": REFERENCE_BACKEND}
+    return _parse_plan(_lib._select_forward_plan(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        _flat_shapes(spatial_shapes_list), fused, backend, _device_list(device)))
 
 
 def backend_reason(backend, value, spatial_shapes, level_start_index, sampling_locations,
@@ -222,23 +268,21 @@ def backend_reason(backend, value, spatial_shapes, level_start_index, sampling_l
 
 def select_backward_path(value, spatial_shapes, level_start_index, sampling_locations,
                          attention_weights, *, fused: bool = False, deterministic: bool = False,
-                         grad_value: str = "auto", sms: Optional[int] = None) -> Dict[str, object]:
-    """The plan the CUDA backward makes for these inputs (csrc/backward_plan.h):
-    {"grad_value": "atomic" | "sorted" | "local", "dots": "ffma" | "mma" |
-    "mma_flat" | "mma_rows", "vec": int, "gather": "none" | "pixels" | "tiles",
-    "gather_vec": int, "composite": bool}. `fused`: the backward of
-    ms_deform_attn_fused; `grad_value`: a path asked for ("auto", "atomic",
-    "sorted", "local"; what MS_DEFORM_ATTN_GRAD_VALUE asks of the operator).
-    The device is value's CUDA device, or one of `sms` SMs (default 132) on
-    which every kernel fits; grad_output is taken as contiguous."""
-    text = _lib._select_backward_path(value, spatial_shapes, level_start_index, sampling_locations,
-                                      attention_weights, fused, deterministic, grad_value,
-                                      -1 if sms is None else int(sms))
-    plan: Dict[str, object] = {}
-    for item in text.split():
-        key, val = item.split("=")
-        plan[key] = bool(int(val)) if key == "composite" else int(val) if val.isdigit() else val
-    return plan
+                         grad_value: str = "auto", sms: Optional[int] = None,
+                         device=None) -> Dict[str, object]:
+    """The plan the CUDA backward makes for these inputs
+    (csrc/plan/backward_plan.h): {"grad_value": "atomic" | "sorted" |
+    "local", "dots": "ffma" | "mma" | "mma_flat" | "mma_rows", "vec": int,
+    "gather": "none" | "pixels" | "tiles", "gather_vec": int, "composite":
+    bool}. `fused`: the backward of ms_deform_attn_fused; `grad_value`: a
+    path asked for ("auto", "atomic", "sorted", "local"; what
+    MS_DEFORM_ATTN_GRAD_VALUE asks of the operator). The device is the one
+    `device` describes (as for select_forward_plan), else value's CUDA
+    device, else an H100; `sms` replaces its SM count. grad_output is taken
+    as contiguous."""
+    return _parse_plan(_lib._select_backward_path(
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, fused,
+        deterministic, grad_value, -1 if sms is None else int(sms), _device_list(device)))
 
 
 # ---- fake (meta) kernels -----------------------------------------------------

@@ -76,6 +76,20 @@ WORKLOADS: Dict[str, Workload] = {
 GENERATORS = ("uniform", "encoder", "decoder", "smooth")
 
 
+# Devices the planners' table tests plan for without having them: the CUDA
+# runtime's figures (DeviceInfo's fields, csrc/plan/device.h; compute
+# capability, SMs, shared memory a block may opt in to, an SM's most, the
+# system's reservation a block). The H200 has the H100 SXM's.
+DEVICES: Dict[str, Dict[str, int]] = {
+    "H100": dict(major=9, minor=0, sms=132, smem_optin=232448, smem_per_sm=233472, smem_reserved=1024),
+    "H200": dict(major=9, minor=0, sms=132, smem_optin=232448, smem_per_sm=233472, smem_reserved=1024),
+    "A100": dict(major=8, minor=0, sms=108, smem_optin=166912, smem_per_sm=167936, smem_reserved=1024),
+    "RTX5090": dict(major=12, minor=0, sms=170, smem_optin=101376, smem_per_sm=102400, smem_reserved=1024),
+    "RTX3060": dict(major=8, minor=6, sms=28, smem_optin=101376, smem_per_sm=102400, smem_reserved=1024),
+    "T4": dict(major=7, minor=5, sms=40, smem_optin=65536, smem_per_sm=65536, smem_reserved=0),
+}
+
+
 def get(name: str) -> Workload:
     """Workload by name; "name/k" gives it scaled down by k, "name@gen" with
     the location generator `gen` (both: "name@gen/k")."""

@@ -210,7 +210,7 @@ def test_inputs_on_two_gpus():
 @pytest.mark.parametrize("device,backend", device_backends())
 def test_unknown_backend(device, backend):
     with pytest.raises(RuntimeError, match=r"unknown backend 'nope'; expected 'auto' or one of "
-                                           r"\['cpu', 'tma', 'cluster', 'persistent', 'blocked', 'baseline'\]"):
+                                           r"\['cpu', 'tma', 'cluster', 'persistent', 'blocked', 'baseline', 'pytorch'\]"):
         msda.ms_deform_attn(*good(device), backend="nope")
     assert_usable(device)
 

@@ -3,7 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "../backends.h"
+#include "../backend_queries.h"
 #include "../output.h"
 #include "../validation.h"
 #include "kernels.h"
@@ -19,8 +19,7 @@ at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights, backend,
                                      spatial_shapes_list);
-  const std::string why = backend_reason(backend, in.pb, value.device());
-  TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", backend, "' ", why);
+  forward_plan(ForwardProblem{in.pb}, value.device(), backend);  // raises where it cannot run
   const auto& pb = in.pb;
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
   const int64_t groups = pb.N * pb.Lq * pb.M;

@@ -9,6 +9,7 @@
 #include <initializer_list>
 
 #include "../params.h"
+#include "../plan/launch_shapes.h"
 
 namespace msda::cuda {
 
@@ -23,18 +24,16 @@ inline int pick_vec(int64_t D, int64_t elem_size, int want, std::initializer_lis
   return want;
 }
 
-// Forward backends.
+// Forward backends: each launches p.plan (../plan/forward_plan.h), for
+// problems its checks there admit; `persistent` takes plan.workspace bytes
+// of zeroed scratch at p.workspace (its tile counters).
 cudaError_t baseline_forward(const ForwardParams& p, cudaStream_t stream);
-// Needs S < 2^31 (pixel indices of the whole map in 32 bits) and N M Lq < 2^31.
 cudaError_t blocked_forward(const ForwardParams& p, cudaStream_t stream);
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream);
-int64_t persistent_workspace_bytes(const Problem& pb);  // its zeroed tile counters
-cudaError_t cluster_forward(const ForwardParams& p, cudaStream_t stream);  // sm_90+
-// sm_90+; needs p.host_shapes, 16-bit or fp32 values, D * element size a
-// multiple of 16 bytes and at most 512, value 16-byte aligned.
+cudaError_t cluster_forward(const ForwardParams& p, cudaStream_t stream);
 cudaError_t tma_forward(const ForwardParams& p, cudaStream_t stream);
 
-// ---- the backward, by the plan in p.plan (../backward_plan.h) ----------
+// ---- the backward, by the plan in p.plan (../plan/backward_plan.h) -----
 // The dots kernels: the location and weight gradients of every sample, and
 // what its grad_value path needs of it (atomic: the atomics themselves into
 // p.grad_value_acc, zeroed; sorted: cell keys and ids; local: block-local
@@ -45,17 +44,16 @@ cudaError_t mma_dots(const BackwardParams& p, cudaStream_t stream);
 
 // The block-local grad_value (backward/local_grad_value.cu). Scratch: the
 // samples' records (BackwardParams::local_cell, local_wts; 20 bytes a
-// sample), local_value_grad_scratch_bytes() long and 16-byte aligned, which
-// local_value_grad_records() points p at before the dots kernel runs, and
+// sample), grad_value_local_scratch_bytes() long and 16-byte aligned, which
+// grad_value_local_records() points p at before the dots kernel runs, and
 // `counter`, one unsigned zeroed before the call (the blocks take their work
-// from it). local_value_grad then writes all of grad_value (value's shape,
-// layout and dtype, 16-byte aligned), the same bits on every run.
-// local_value_grad_fits: whether a block may opt in to the kernel's shared
-// memory (`small`: the kernel for Lq P <= kLocalCapSmall), for the planner.
-bool local_value_grad_fits(int smem_optin, bool small);
-int64_t local_value_grad_scratch_bytes(const BackwardParams& p);
-void local_value_grad_records(BackwardParams& p, void* scratch);
-cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,
+// from it). grad_value_local then writes all of grad_value (value's shape,
+// layout and dtype, 16-byte aligned), the same bits on every run. Its
+// shared memory: kLocalSmemSmall / kLocalSmem bytes at most (the planner
+// checks the device has them).
+int64_t grad_value_local_scratch_bytes(const BackwardParams& p);
+void grad_value_local_records(BackwardParams& p, void* scratch);
+cudaError_t grad_value_local(const BackwardParams& p, void* grad_value, unsigned* counter,
                              cudaStream_t stream);
 
 // Column sums of a row-major [rows, cols] matrix (column_sum.cu): the bias
@@ -102,7 +100,7 @@ struct SortedBuffers {
 };
 // The sort's scratch size for b, in bytes.
 cudaError_t sorted_temp_bytes(const SortedBuffers& b, size_t& bytes);
-cudaError_t sorted_value_grad(const BackwardParams& p, const SortedBuffers& b,
+cudaError_t grad_value_sorted(const BackwardParams& p, const SortedBuffers& b,
                                      cudaStream_t stream);
 
 }  // namespace msda::cuda

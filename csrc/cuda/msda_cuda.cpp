@@ -1,6 +1,7 @@
 // CUDA kernels of the operator: validation, allocation and launch on the
 // current stream of the value's device. Never synchronises with the host.
-// Which forward backend runs is the backend table's decision (backends.cpp).
+// Which forward backend runs, and how, is the forward planner's decision
+// (../plan/forward_plan.h); the backward's, the backward planner's.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -9,13 +10,12 @@
 #include <array>
 #include <atomic>
 
+#include "../backend_queries.h"
 #include "../cuda_archs.h"
 #include "../fused.h"
 #include "../output.h"
 #include "../validation.h"
-#include "../overrides.h"
 #include "backward/backward.h"
-#include "forward/backends.h"
 #include "kernel_image.h"
 #include "launch.h"
 
@@ -51,35 +51,55 @@ at::Tensor aligned(at::Tensor t, int64_t align) {
 // Locations are read as (x, y) pairs with one vector load: keep them aligned.
 at::Tensor aligned_pairs(at::Tensor t) { return aligned(t, 2 * t.element_size()); }
 
-// Allocates the output and launches `impl`'s forward on the prepared
-// inputs; with `ref` set (ms_deform_attn_fused, a backend with fused_points) loc and attn
-// hold offsets and logits and ref the float32 reference points.
-at::Tensor launch_forward(Prepared& in, const cuda::CudaBackend& impl, const float* ref = nullptr,
+// The launcher of each backend with a CUDA kernel.
+cudaError_t launch(const ForwardParams& p, cudaStream_t stream) {
+  switch (p.plan.backend) {
+    case ForwardBackend::baseline: return cuda::baseline_forward(p, stream);
+    case ForwardBackend::blocked: return cuda::blocked_forward(p, stream);
+    case ForwardBackend::persistent: return cuda::persistent_forward(p, stream);
+    case ForwardBackend::cluster: return cuda::cluster_forward(p, stream);
+    case ForwardBackend::tma: return cuda::tma_forward(p, stream);
+    case ForwardBackend::cpu: break;
+  }
+  return cudaErrorInvalidValue;
+}
+
+// The forward's plan for the prepared inputs on value's device.
+ForwardPlan plan_for(const Prepared& in, bool fused, c10::string_view backend) {
+  ForwardProblem p;
+  p.pb = in.pb;
+  p.fused = fused;
+  p.value_align = pointer_alignment(in.value.data_ptr());
+  return forward_plan(p, in.value.device(), backend);
+}
+
+// Allocates the output and launches the plan's kernel on the prepared
+// inputs; with `ref` set (ms_deform_attn_fused, plan not composite) loc and
+// attn hold offsets and logits and ref the float32 reference points.
+at::Tensor launch_forward(Prepared& in, const ForwardPlan& plan, const float* ref = nullptr,
                           int ref_dim = 0) {
   const auto& pb = in.pb;
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
   if (out.numel() == 0) return out;
   in.loc = aligned_pairs(in.loc);
-  in.value = aligned(in.value, impl.value_align);
+  if (plan.copy_value) in.value = in.value.clone();
   ForwardParams p;
   set_inputs(p, in);
   p.out = out.data_ptr();
   p.ref = ref;
   p.ref_dim = ref_dim;
-  const int64_t elem = in.value.element_size();
-  p.vec = cuda::pick_vec(pb.D, elem, static_cast<int>(16 / elem), {p.value, p.out});
+  p.plan = plan;
+  p.vec = plan.vec;
   at::Tensor workspace;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if (const int64_t bytes = impl.workspace(pb); bytes > 0) {
+  if (plan.workspace > 0) {
     // Zeroed by a memset on the stream (graph-capturable; compute-sanitizer's
     // initcheck sees it, unlike a fill by a kernel it does not instrument).
-    workspace = at::empty({bytes}, in.value.options().dtype(at::kByte));
+    workspace = at::empty({plan.workspace}, in.value.options().dtype(at::kByte));
     p.workspace = workspace.data_ptr();
-    C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, bytes, stream));
+    C10_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, plan.workspace, stream));
   }
-  p.smem_budget = smem_budget_override();  // a test hook of the caching backends
-  p.blocked_rows = blocked_rows_override();  // a test hook of `blocked`
-  C10_CUDA_CHECK(impl.forward(p, stream));
+  C10_CUDA_CHECK(launch(p, stream));
   return out;
 }
 
@@ -92,7 +112,7 @@ at::Tensor forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shape
                                attention_weights, backend, spatial_shapes_list);
   const c10::cuda::CUDAGuard guard(value.device());
   require_kernel_image(value.device().index());
-  return launch_forward(in, cuda::backend_for(backend, in.pb, value.device().index()));
+  return launch_forward(in, plan_for(in, /*fused=*/false, backend));
 }
 
 // The fused operator's inputs as the kernels take them: offsets and logits
@@ -124,8 +144,8 @@ FusedPrepared prepare_fused(const FusedSizes& s, const at::Tensor& value,
 
 // ms_deform_attn_fused on CUDA: the baseline and blocked kernels form the
 // locations and the softmax themselves (nothing of size N x Lq x M x L x P
-// is made; CudaBackend::fused_points); other backends and fp64 values take
-// the composite (fused.cpp).
+// is made); where the plan says composite (other backends, fp64 values) the
+// composite (fused.cpp) serves it.
 at::Tensor fused_forward_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
                               const at::Tensor& level_start_index,
                               const at::Tensor& reference_points,
@@ -140,14 +160,13 @@ at::Tensor fused_forward_cuda(const at::Tensor& value, const at::Tensor& spatial
                                 sampling_offsets, attention_logits, backend, deterministic,
                                 spatial_shapes_list);
   };
-  if (value.scalar_type() == at::kDouble) return composite();
   FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
                                   sampling_offsets, attention_logits, backend, spatial_shapes_list);
   const c10::cuda::CUDAGuard guard(value.device());
+  const ForwardPlan plan = plan_for(f.in, /*fused=*/true, backend);
+  if (plan.composite) return composite();
   require_kernel_image(value.device().index());
-  const cuda::CudaBackend& impl = cuda::backend_for(backend, f.in.pb, value.device().index());
-  if (!impl.fused_points) return composite();
-  return launch_forward(f.in, impl, f.ref.data_ptr<float>(), s.boxes ? 4 : 2);
+  return launch_forward(f.in, plan, f.ref.data_ptr<float>(), s.boxes ? 4 : 2);
 }
 
 // The backward's parameters for the prepared inputs: grad_output checked

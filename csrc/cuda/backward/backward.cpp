@@ -9,9 +9,9 @@
 
 #include <algorithm>
 
-#include "../../backends.h"
 #include "../../output.h"
 #include "../../overrides.h"
+#include "../device_info.h"
 #include "../launch.h"
 
 namespace msda::cuda {
@@ -24,7 +24,7 @@ int bits_for(int64_t x) {
   return bits;
 }
 
-at::Tensor atomic_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+at::Tensor run_atomic_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
   const auto vt = in.value.scalar_type();
   auto acc = value_shaped(in.pb, in.value.options().dtype(vt == at::kDouble ? at::kDouble : at::kFloat),
                           /*zeroed=*/true);
@@ -41,13 +41,13 @@ cudaError_t dots(const BackwardParams& p, cudaStream_t stream) {
 
 // Block-local: the dots kernel writes each sample's record (20 bytes)
 // instead of a key; the other scratch is the blocks' work counter.
-at::Tensor local_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
-  at::Tensor records = at::empty({local_value_grad_scratch_bytes(p)}, in.value.options().dtype(at::kByte));
-  local_value_grad_records(p, records.data_ptr());
+at::Tensor run_local_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+  at::Tensor records = at::empty({grad_value_local_scratch_bytes(p)}, in.value.options().dtype(at::kByte));
+  grad_value_local_records(p, records.data_ptr());
   C10_CUDA_CHECK(dots(p, stream));
   at::Tensor grad_value = value_shaped(in.pb, in.value.options(), /*zeroed=*/false);
   at::Tensor counter = at::zeros({1}, in.value.options().dtype(at::kInt));
-  C10_CUDA_CHECK(local_value_grad(p, grad_value.data_ptr(),
+  C10_CUDA_CHECK(grad_value_local(p, grad_value.data_ptr(),
                                   reinterpret_cast<unsigned*>(counter.data_ptr<int>()), stream));
   return grad_value;
 }
@@ -55,7 +55,7 @@ at::Tensor local_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t 
 // Global sort and gather. Scratch: per sample 4 keys / ids (4 bytes each, 8
 // when wide; the sort's double buffers, its temp is small) and 4 weights
 // (16 bytes; 32 for fp64); 8 bytes per cell.
-at::Tensor sorted_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+at::Tensor run_sorted_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
   const auto& pb = in.pb;
   SortedBuffers b;
   b.items = sample_count(pb);
@@ -87,31 +87,11 @@ at::Tensor sorted_grad_value(BackwardParams& p, const Prepared& in, cudaStream_t
   at::Tensor grad_value = value_shaped(in.pb, in.value.options(), /*zeroed=*/false);
   b.grad_value = grad_value.data_ptr();
   b.vec = p.plan.gather_vec;
-  C10_CUDA_CHECK(sorted_value_grad(p, b, stream));
+  C10_CUDA_CHECK(grad_value_sorted(p, b, stream));
   return grad_value;
 }
 
-// Installs the hook through which _select_backward_path (../../ops.cpp)
-// asks for a CUDA device's limits, when the library loads.
-const bool kHookInstalled = [] {
-  cuda_hooks().backward_device = [](int device) {
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(
-        device < 0 ? at::cuda::current_device() : device));
-    return backward_device();
-  };
-  return true;
-}();
-
 }  // namespace
-
-BackwardDevice backward_device() {
-  const cudaDeviceProp& pr = *at::cuda::getCurrentDeviceProperties();
-  BackwardDevice d;
-  d.sms = pr.multiProcessorCount;
-  d.local_small_fits = local_value_grad_fits(int(pr.sharedMemPerBlockOptin), /*small=*/true);
-  d.local_fits = local_value_grad_fits(int(pr.sharedMemPerBlockOptin), /*small=*/false);
-  return d;
-}
 
 BackwardPlan plan_for(const BackwardParams& p, bool fused, bool deterministic) {
   BackwardProblem bp;
@@ -122,16 +102,18 @@ BackwardPlan plan_for(const BackwardParams& p, bool fused, bool deterministic) {
   BackwardWishes w;
   w.deterministic = deterministic;
   w.request = grad_value_override();
-  return plan_backward(bp, backward_device(), w);
+  DeviceInfo d;
+  C10_CUDA_CHECK(device_info(-1, d));
+  return plan_backward(bp, d, w);
 }
 
 at::Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream) {
   p.vec = p.plan.vec;
-  if (p.plan.grad_value == GradValuePath::atomic) return atomic_grad_value(p, in, stream);
+  if (p.plan.grad_value == GradValuePath::atomic) return run_atomic_path(p, in, stream);
   p.cell_stride = 2 * in.pb.S + 2 * in.pb.L;
   if (sample_count(in.pb) == 0) return value_shaped(in.pb, in.value.options(), /*zeroed=*/true);
-  return p.plan.grad_value == GradValuePath::local ? local_grad_value(p, in, stream)
-                                                   : sorted_grad_value(p, in, stream);
+  return p.plan.grad_value == GradValuePath::local ? run_local_path(p, in, stream)
+                                                   : run_sorted_path(p, in, stream);
 }
 
 }  // namespace msda::cuda

@@ -1,5 +1,5 @@
 // The CUDA backward's host side, for the operator in ../msda_cuda.cpp: the
-// plan for a call (../../backward_plan.h, from the device's limits, the
+// plan for a call (../../plan/backward_plan.h, from the device's DeviceInfo, the
 // call's alignments and the environment's override), and the buffers and
 // launches of the plan's grad_value path.
 #pragma once
@@ -7,14 +7,11 @@
 #include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
-#include "../../backward_plan.h"
+#include "../../plan/backward_plan.h"
 #include "../../params.h"
 #include "../../validation.h"
 
 namespace msda::cuda {
-
-// The current device's limits the planner reads.
-BackwardDevice backward_device();
 
 // The plan for backward params p (value, grad_out and pb set) of the plain
 // (fused = false) or fused operator.

@@ -1,4 +1,4 @@
-// The FFMA dots kernel (backward_kernel): the location and weight
+// The FFMA dots kernel (ffma_dots_kernel): the location and weight
 // gradients of every sample from its four corner dots with grad_output, by
 // lanes over channels; on the atomic plan it also adds grad_value with fp32
 // (fp64) vector atomics into a zeroed accumulator, on the reproducible plans
@@ -42,14 +42,14 @@ namespace {
 // reciprocal sum for pack_samples.
 template <typename T, typename LT, int VEC, bool kMulti, bool kShared, bool kFused = false>
 __global__ void __launch_bounds__(kThreads)
-    backward_kernel(const BackwardParams p, const int lanes, const int chunk) {
+    ffma_dots_kernel(const BackwardParams p, const int lanes, const int chunk) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cell_base[kMaxLevels];
   __shared__ __align__(16) unsigned char slot_mem[kShared ? CornerSlots<A>::kBytesPerThread * kThreads : 16];
   const bool keys = p.plan.grad_value == GradValuePath::sorted;  // uniform
-  const bool value_grad = p.plan.grad_value == GradValuePath::atomic;
+  const bool atomic_grad_value = p.plan.grad_value == GradValuePath::atomic;
   load_levels_and_cells(levels, cell_base, p.spatial_shapes, p.level_start, pb.L, pb.S, keys);
 
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t gstride = static_cast<uint64_t>(row_stride) * sizeof(A);
   const int64_t vrow0 = value_row(pb, n, 0, m) * pb.D;
   const T* vbase = static_cast<const T*>(p.value) + vrow0;
-  A* gvbase = value_grad ? static_cast<A*>(p.grad_value_acc) + vrow0 : nullptr;
+  A* gvbase = atomic_grad_value ? static_cast<A*>(p.grad_value_acc) + vrow0 : nullptr;
   const auto [loc, attn] = query_row<LT>(p, group);
   const T* gout = static_cast<const T*>(p.grad_out) + group * pb.D;
   // kFused: the row's softmax, its query's reference points, and this
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t ch = c0; ch < pb.D; ch += cstep) {
       if (kMulti) load_vec<T, VEC>(gout + ch, go);
       corner_grads<T, VEC>(vbase + lbase + ch, vstride,
-                           value_grad ? gvbase + lbase + ch : nullptr, gstride, c, go, dot);
+                           atomic_grad_value ? gvbase + lbase + ch : nullptr, gstride, c, go, dot);
       if (!kMulti) break;
     }
   };
@@ -208,8 +208,8 @@ __global__ void __launch_bounds__(kThreads)
 
 int samples_per_task(const Problem& pb, int lanes) {
   const int64_t LP = int64_t(pb.L) * pb.P;
-  DeviceLimits d;
-  if (device_limits(d) != cudaSuccess) {
+  DeviceInfo d;
+  if (current_device_info(d) != cudaSuccess) {
     (void)cudaGetLastError();
     return static_cast<int>(LP);
   }
@@ -229,17 +229,17 @@ struct Launch {
     const int64_t LP = int64_t(p.pb.L) * p.pb.P;
     const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * ((LP + chunk - 1) / chunk) * lanes;
     const bool multi = p.pb.D > int64_t(lanes) * VEC;
-    // One task a group, and rounds of full width (see backward_kernel; with
+    // One task a group, and rounds of full width (see ffma_dots_kernel; with
     // fewer samples than lanes, bevformer_tsa's L * P = 4, the rounds leave
     // lanes idle and measured slower).
     const bool shared = chunk == LP && LP >= round_width(lanes);
     const unsigned grid = grid_for(threads);
     if (multi) {
-      shared ? backward_kernel<T, LT, VEC, true, true><<<grid, kThreads, 0, stream>>>(p, lanes, chunk)
-             : backward_kernel<T, LT, VEC, true, false><<<grid, kThreads, 0, stream>>>(p, lanes, chunk);
+      shared ? ffma_dots_kernel<T, LT, VEC, true, true><<<grid, kThreads, 0, stream>>>(p, lanes, chunk)
+             : ffma_dots_kernel<T, LT, VEC, true, false><<<grid, kThreads, 0, stream>>>(p, lanes, chunk);
     } else {
-      shared ? backward_kernel<T, LT, VEC, false, true><<<grid, kThreads, 0, stream>>>(p, lanes, chunk)
-             : backward_kernel<T, LT, VEC, false, false><<<grid, kThreads, 0, stream>>>(p, lanes, chunk);
+      shared ? ffma_dots_kernel<T, LT, VEC, false, true><<<grid, kThreads, 0, stream>>>(p, lanes, chunk)
+             : ffma_dots_kernel<T, LT, VEC, false, false><<<grid, kThreads, 0, stream>>>(p, lanes, chunk);
     }
     return cudaGetLastError();
   }
@@ -253,8 +253,8 @@ struct Launch {
       if (p.pb.D > int64_t(lanes) * VEC) return cudaErrorInvalidValue;
       const unsigned grid = grid_for(p.pb.N * p.pb.Lq * p.pb.M * lanes);
       LP >= round_width(lanes)
-          ? backward_kernel<T, LT, VEC, false, true, true><<<grid, kThreads, 0, stream>>>(p, lanes, LP)
-          : backward_kernel<T, LT, VEC, false, false, true><<<grid, kThreads, 0, stream>>>(p, lanes, LP);
+          ? ffma_dots_kernel<T, LT, VEC, false, true, true><<<grid, kThreads, 0, stream>>>(p, lanes, LP)
+          : ffma_dots_kernel<T, LT, VEC, false, false, true><<<grid, kThreads, 0, stream>>>(p, lanes, LP);
       return cudaGetLastError();
     }
     return cudaErrorInvalidValue;

@@ -9,7 +9,7 @@
 // tile of at most kTileH x kTileW pixels of one (n, m, level): it reads the
 // cells of that (n, m, level), keeps the samples whose footprint touches the
 // tile, groups them by cell within the tile in sample order, and sums each
-// pixel's samples in value_grad_pixels' order (the four cells that have the
+// pixel's samples in grad_value_pixels_kernel' order (the four cells that have the
 // pixel as a corner, as two runs, in cell and sample order), walking down
 // pixel columns so that each run is read once for the two pixels it touches.
 // Every pixel of the map is in exactly one tile, so grad_value is written
@@ -37,7 +37,7 @@ namespace {
 // (the decoders: 8 a thread) or, for the Lq P up to 8192 that DINO's
 // denoising queries give, 8192 (16 a thread; it spills, but the global sort
 // it replaces is slower still).
-// (kLocalCapSmall, kLocalCap, kLocalThreads and kLocalBlocksPerSm: launch_shapes.h.)
+// (kLocalCapSmall, kLocalCap, kLocalThreads and kLocalBlocksPerSm: plan/launch_shapes.h.)
 static_assert(kLocalCapSmall % kLocalThreads == 0 && kLocalCap % kLocalThreads == 0,
               "a block's sort holds kCap samples");
 constexpr int kTileH = 32, kTileW = 64;
@@ -77,6 +77,11 @@ struct LocalSmem {
   int crowded;                     // a cell holds more than kShortRun samples
 };
 
+// The planner's figures for the two kernels' shared memory (launch_shapes.h).
+static_assert(sizeof(LocalSmem<kLocalCapSmall>) <= kLocalSmemSmall &&
+                  sizeof(LocalSmem<kLocalCap>) <= kLocalSmem,
+              "the block-local kernels' shared memory passed the planner's figures");
+
 // Whether the samples of one (n, m, level) fit the first instantiation
 // (kLocalCapSmall): its kernel and its shared memory.
 bool small_cap(const Problem& pb) { return pb.Lq * pb.P <= kLocalCapSmall; }
@@ -105,7 +110,7 @@ __global__ void __launch_bounds__(kThreads) local_footprints(const BackwardParam
     div[threadIdx.x - 32] = FastDiv(d[threadIdx.x - 32]);
   }
   __syncthreads();
-  if (levels[0].poison) return;  // value_grad_local zero-fills; no record is read
+  if (levels[0].poison) return;  // grad_value_local_kernel zero-fills; no record is read
   const FastDiv by_lqp = div[0], by_l = div[1], by_m = div[2], by_p = div[3];
   const uint32_t total = uint32_t(pb.N) * M * L * LqP;
   // Threads in the records' order: their writes coalesce; the reads come in
@@ -131,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) local_footprints(const BackwardParam
 // The launch keeps N M S below 2^31 and Lq P <= kCap.
 template <typename T, int VEC, int kCap>
 __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
-    value_grad_local(const BackwardParams p, T* __restrict__ grad_value, const int lanes,
+    grad_value_local_kernel(const BackwardParams p, T* __restrict__ grad_value, const int lanes,
                      const uint32_t* __restrict__ cell, const float4* __restrict__ wts,
                      unsigned* __restrict__ counter) {
   using A = float;
@@ -362,18 +367,18 @@ struct LocalParams {
 template <typename T, typename LT, int VEC>
 struct LocalLaunch {
   static cudaError_t run(const LocalParams& g, cudaStream_t stream) {
-    // Instantiated only for what the planner's local_value_grad_ok admits
+    // Instantiated only for what the planner's local_grad_value_ok admits
     // (launch_16_byte_vectors): 16-bit or fp32 values, 16-byte vectors,
     // locations in fp32 or the values' dtype (the fused operator's offsets
     // and logits under autocast; only local_footprints reads them).
     static_assert(VEC * sizeof(T) == 16 && !std::is_same_v<T, double>, "launch_16_byte_vectors only");
     {
-      DeviceLimits d;
-      if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+      DeviceInfo d;
+      if (const cudaError_t err = current_device_info(d); err != cudaSuccess) return err;
       uint32_t* cell = static_cast<uint32_t*>(g.bw.local_cell);
       float4* wts = static_cast<float4*>(g.bw.local_wts);
       // The fused operator's records: written by its tensor-core dots kernel
-      // where it ran, else (backward_kernel) here.
+      // where it ran, else (ffma_dots_kernel) here.
       if (g.bw.ref != nullptr && g.bw.plan.dots == DotsKernel::ffma) {
         const int64_t items = sample_count(g.pb);
         const unsigned grid = static_cast<unsigned>(
@@ -386,10 +391,10 @@ struct LocalLaunch {
     }
   }
   template <int kCap>
-  static cudaError_t tiles(const LocalParams& g, const DeviceLimits& d, const uint32_t* cell,
+  static cudaError_t tiles(const LocalParams& g, const DeviceInfo& d, const uint32_t* cell,
                            const float4* wts, cudaStream_t stream) {
     constexpr size_t bytes = sizeof(LocalSmem<kCap>);
-    auto kernel = value_grad_local<T, VEC, kCap>;
+    auto kernel = grad_value_local_kernel<T, VEC, kCap>;
     if (const cudaError_t err = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
         err != cudaSuccess) {
@@ -405,23 +410,18 @@ int64_t records_offset(int64_t items) { return (4 * items + 15) / 16 * 16; }  //
 
 }  // namespace
 
-bool local_value_grad_fits(int smem_optin, bool small) {
-  const size_t smem = small ? sizeof(LocalSmem<kLocalCapSmall>) : sizeof(LocalSmem<kLocalCap>);
-  return size_t(smem_optin) >= smem;
-}
-
-int64_t local_value_grad_scratch_bytes(const BackwardParams& p) {
+int64_t grad_value_local_scratch_bytes(const BackwardParams& p) {
   const int64_t items = sample_count(p.pb);
   return records_offset(items) + 16 * items;
 }
 
-void local_value_grad_records(BackwardParams& p, void* scratch) {
+void grad_value_local_records(BackwardParams& p, void* scratch) {
   char* rec = static_cast<char*>(scratch);
   p.local_cell = rec;
   p.local_wts = rec + records_offset(sample_count(p.pb));
 }
 
-cudaError_t local_value_grad(const BackwardParams& p, void* grad_value, unsigned* counter,
+cudaError_t grad_value_local(const BackwardParams& p, void* grad_value, unsigned* counter,
                              cudaStream_t stream) {
   if (p.plan.grad_value != GradValuePath::local || reinterpret_cast<uintptr_t>(grad_value) % 16 != 0 ||
       reinterpret_cast<uintptr_t>(p.local_wts) % 16 != 0 || counter == nullptr) {

@@ -1,4 +1,4 @@
-// The tensor-core dots kernel (dots_mma_kernel): on the reproducible plans
+// The tensor-core dots kernel (mma_dots_kernel): on the reproducible plans
 // with 16-bit values, the location and weight gradients of every sample from
 // its four corner dots with grad_output by mma.sync, and each sample's cell
 // key (sorted) or block-local record (local); the fused operator's form
@@ -89,7 +89,7 @@ __device__ __forceinline__ float block_row_reduce(float v, int LPp, int s, int g
 // and reciprocal sum go to p.row_stats for pack_samples.
 template <typename T, typename LT, bool kOnePass, bool kFused, bool kFlat = false>
 __global__ void __launch_bounds__(kThreads, kDotsBlocksPerSm)
-    dots_mma_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m,
+    mma_dots_kernel(const BackwardParams p, const FastDiv by_lqm, const FastDiv by_m,
                     const FastDiv by_lpp, const int64_t tasks) {
   using A = float;
   constexpr bool kBlockRows = kFused && kFlat;
@@ -319,8 +319,8 @@ struct MmaLaunch {
                           : form == DotsKernel::mma_flat ? (G * LPp + 31) / 32
                                                          : (G + 32 / LPp - 1) / (32 / LPp);
     if (tasks == 0) return cudaSuccess;
-    DeviceLimits d;
-    if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+    DeviceInfo d;
+    if (const cudaError_t err = current_device_info(d); err != cudaSuccess) return err;
     // The blocks that fit at once (__launch_bounds__), the rest of the tasks in turn.
     const int64_t blocks = std::min<int64_t>(
         form == DotsKernel::mma_rows ? tasks : (tasks + kWarps - 1) / kWarps, int64_t(d.sms) * kDotsBlocksPerSm);
@@ -330,17 +330,17 @@ struct MmaLaunch {
     const bool one_pass = pb.D == 32;
     const bool fused = p.ref != nullptr;
     if (form == DotsKernel::mma_rows) {
-      one_pass ? dots_mma_kernel<T, LT, true, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
-               : dots_mma_kernel<T, LT, false, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
+      one_pass ? mma_dots_kernel<T, LT, true, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
+               : mma_dots_kernel<T, LT, false, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
     } else if (fused) {
-      one_pass ? dots_mma_kernel<T, LT, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
-               : dots_mma_kernel<T, LT, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
+      one_pass ? mma_dots_kernel<T, LT, true, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
+               : mma_dots_kernel<T, LT, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
     } else if (form == DotsKernel::mma_flat) {
-      one_pass ? dots_mma_kernel<T, LT, true, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
-               : dots_mma_kernel<T, LT, false, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
+      one_pass ? mma_dots_kernel<T, LT, true, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
+               : mma_dots_kernel<T, LT, false, false, true><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
     } else {
-      one_pass ? dots_mma_kernel<T, LT, true, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
-               : dots_mma_kernel<T, LT, false, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
+      one_pass ? mma_dots_kernel<T, LT, true, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks)
+               : mma_dots_kernel<T, LT, false, false><<<grid, kThreads, 0, stream>>>(p, by_lqm, by_m, by_lpp, tasks);
     }
     return cudaGetLastError();
   }

@@ -12,7 +12,7 @@
 //   4. pack_samples: per sorted position, the sample's grad_output row and its
 //      four corner weights times its attention weight, stored contiguously so
 //      that the gather reads them with independent, sequential loads.
-//   5. value_grad_pixels: every value pixel (n, s, m) walks the samples of
+//   5. grad_value_pixels_kernel: every value pixel (n, s, m) walks the samples of
 //      the four cells that have it as a corner, with as many slots of a warp
 //      as its level's density calls for (their sums added in a fixed tree),
 //      and writes its grad once, in the value's dtype. Pixels no sample
@@ -83,8 +83,8 @@ __global__ void cell_starts_kernel(const K* __restrict__ sorted, int64_t items, 
 
 template <typename K>
 cudaError_t launch_cell_starts(const SortedBuffers& b, cudaStream_t stream) {
-  DeviceLimits d;
-  if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+  DeviceInfo d;
+  if (const cudaError_t err = current_device_info(d); err != cudaSuccess) return err;
   const auto* keys = static_cast<const K*>(b.sorted_keys);
   auto* start = static_cast<int64_t*>(b.cell_starts);
   if (b.items >= kCellStartsWideFromPerSm * d.sms) {
@@ -97,7 +97,7 @@ cudaError_t launch_cell_starts(const SortedBuffers& b, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// fp16 weights for value_grad_tiles are scaled by 2^kHalfWeightExp (in
+// fp16 weights for grad_value_tiles_kernel are scaled by 2^kHalfWeightExp (in
 // pack_samples), so that the low parts of weights down to 2^-15 stay normal
 // fp16 numbers in its split (split_16), and the sums scaled back at the end;
 // a scaled weight of kHalfWeightLimit or more (|w| >= 8) would leave fp16's
@@ -234,7 +234,7 @@ __device__ __forceinline__ int64_t level_items(const Level& lv, int slots, int g
 // and a fixed shuffle tree adds the slots: the same order on every run.
 template <typename T, int VEC, typename Id>
 __global__ void __launch_bounds__(kThreads, kPixelsMinBlocksPerSm)
-    value_grad_pixels(const BackwardParams p, const Id* __restrict__ rows,
+    grad_value_pixels_kernel(const BackwardParams p, const Id* __restrict__ rows,
                       const acc_t<T>* __restrict__ wts, const int64_t* __restrict__ cell_start,
                       T* __restrict__ grad_value, const int lanes) {
   using A = acc_t<T>;
@@ -390,7 +390,7 @@ struct TileEntry {
 // into a second buffer measured slower (docs/performance.md).
 template <typename T, typename Id>
 __global__ void __launch_bounds__(kThreads, kTilesBlocksPerSm)
-    value_grad_tiles(const BackwardParams p, const Id* __restrict__ rows,
+    grad_value_tiles_kernel(const BackwardParams p, const Id* __restrict__ rows,
                      const float* __restrict__ wts, const Id* __restrict__ keys,
                      const int64_t* __restrict__ cell_start, const int64_t* __restrict__ big,
                      T* __restrict__ grad_value) {
@@ -651,12 +651,12 @@ struct GatherLaunch {
     const int64_t items = p.pb.N * p.pb.M * p.pb.S;  // pixels of the grad_value map
     if (items == 0) return cudaSuccess;
     T* out = static_cast<T*>(b.grad_value);
-    DeviceLimits d;
-    if (const cudaError_t err = device_limits(d); err != cudaSuccess) return err;
+    DeviceInfo d;
+    if (const cudaError_t err = current_device_info(d); err != cudaSuccess) return err;
     if constexpr (kTileable) {
       if (tiles) {
         // As many blocks as fit (__launch_bounds__), the rest of the items in turn.
-        value_grad_tiles<T, Id><<<static_cast<unsigned>(d.sms) * kTilesBlocksPerSm, kThreads, 0, stream>>>(
+        grad_value_tiles_kernel<T, Id><<<static_cast<unsigned>(d.sms) * kTilesBlocksPerSm, kThreads, 0, stream>>>(
             p, rows, wts, static_cast<const Id*>(b.sorted_keys), start, b.big_weights, out);
         return cudaGetLastError();
       }
@@ -666,7 +666,7 @@ struct GatherLaunch {
     const int lanes = lanes_for(p.pb.D, VEC);
     const unsigned blocks = static_cast<unsigned>(
         std::max<int64_t>(1, std::min<int64_t>((items + kWarps - 1) / kWarps, int64_t(d.sms) * kPixelsBlocksPerSm)));
-    value_grad_pixels<T, VEC, Id><<<blocks, kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
+    grad_value_pixels_kernel<T, VEC, Id><<<blocks, kThreads, 0, stream>>>(p, rows, wts, start, out, lanes);
     return cudaGetLastError();
   }
   static cudaError_t run(const GatherParams& g, cudaStream_t stream) {
@@ -708,7 +708,7 @@ cudaError_t sorted_temp_bytes(const SortedBuffers& b, size_t& bytes) {
                 : sort_pairs<unsigned>(nullptr, bytes, sizes, nullptr);
 }
 
-cudaError_t sorted_value_grad(const BackwardParams& p, const SortedBuffers& buffers,
+cudaError_t grad_value_sorted(const BackwardParams& p, const SortedBuffers& buffers,
                                      cudaStream_t stream) {
   SortedBuffers b = buffers;
   size_t bytes = b.temp_bytes;

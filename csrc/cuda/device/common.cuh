@@ -15,7 +15,7 @@
 
 #include "../../params.h"
 #include "../../sampling.h"
-#include "../launch_shapes.h"
+#include "../../plan/launch_shapes.h"
 
 namespace msda::cuda {
 
@@ -274,16 +274,6 @@ __device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
 }
 
 // ---- work decomposition ----------------------------------------------------
-// A (n, q, m) group is served by `lanes` consecutive threads (a power of two
-// <= 32, so a group never straddles a warp); lane j owns channels
-// [j * VEC, j * VEC + VEC) + k * lanes * VEC.
-inline int lanes_for(int64_t D, int vec) {
-  const int64_t vecs = (D + vec - 1) / vec;
-  int lanes = 1;
-  while (lanes < 32 && lanes < vecs) lanes *= 2;
-  return lanes;
-}
-
 // Sums each v[j] over the `lanes` threads of a group, in place; every thread
 // of the warp must call it (inactive ones with v = 0). Unrolled over the five
 // possible offsets (a loop over a run-time count costs a convergence check

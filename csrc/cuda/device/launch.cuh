@@ -1,6 +1,6 @@
 // Launch helpers of the CUDA launchers: the dtype dispatch onto kernel
-// templates, the device's limits (asked of the driver once), division by a
-// launch-time constant, and grids of kThreads-thread blocks.
+// templates, the shared-memory carve-out, division by a launch-time
+// constant, and grids of kThreads-thread blocks.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,7 +13,8 @@
 #include <mutex>
 
 #include "../../dispatch.h"
-#include "../launch_shapes.h"
+#include "../../plan/launch_shapes.h"
+#include "../device_info.h"
 #include "common.cuh"
 
 namespace msda::cuda {
@@ -56,40 +57,8 @@ cudaError_t launch_16_byte_vectors(const Params& p, cudaStream_t stream) {
   return err;
 }
 
-// Device figures the caching backends size their launches from.
-struct DeviceLimits {
-  int sms = 0;
-  int smem_optin = 0;     // shared memory a block may opt in to
-  int smem_per_sm = 0;    // the most an SM's carve-out can hold
-  int smem_reserved = 0;  // taken by the system from each resident block
-};
-
-inline cudaError_t query_device_limits(int dev, DeviceLimits& d) {
-  cudaError_t err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&d.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&d.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&d.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
-  return err;
-}
-
-// The current device's figures, asked of the driver once per device (they
-// do not change while the process runs) instead of on every launch.
-inline cudaError_t device_limits(DeviceLimits& d) {
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  constexpr int kMaxDevices = 64;
-  if (dev < 0 || dev >= kMaxDevices) return query_device_limits(dev, d);
-  static std::once_flag once[kMaxDevices];
-  static DeviceLimits cached[kMaxDevices];
-  static cudaError_t status[kMaxDevices];
-  std::call_once(once[dev], [dev] { status[dev] = query_device_limits(dev, cached[dev]); });
-  d = cached[dev];
-  return status[dev];
-}
+// The current device's DeviceInfo (device_info.h, asked of the runtime once).
+inline cudaError_t current_device_info(DeviceInfo& d) { return device_info(-1, d); }
 
 // The shared-memory carve-out that `blocks` resident blocks of kKernel need
 // (its static shared memory and the system's reservation each), in percent
@@ -117,8 +86,8 @@ cudaError_t fit_carveout(int blocks) {
     last[dev] = -1;  // the driver's default
   });
   if (status[dev] != cudaSuccess) return status[dev];
-  DeviceLimits d;
-  err = device_limits(d);
+  DeviceInfo d;
+  err = current_device_info(d);
   if (err != cudaSuccess || d.smem_per_sm <= 0) return err;
   const int64_t need = int64_t(blocks) * (static_bytes[dev] + d.smem_reserved);
   const int pct =

@@ -30,13 +30,15 @@ template <typename A>
 struct __align__(4 * sizeof(A)) Weights4 {
   A v[4];
 };
-constexpr int kSlotsPerWarp = 48;
 template <typename A>
 struct CornerSlots {
   int4* pix;
   Weights4<A>* w;
   static constexpr int64_t kBytesPerThread =
       kSlotsPerWarp * (sizeof(int4) + sizeof(Weights4<A>)) / 32;
+  // The planner's figure (plan/launch_shapes.h), which sizes the caching
+  // backends' shared memory.
+  static_assert(kBytesPerThread == corner_slot_bytes_per_thread(sizeof(A)));
   // Carves the slots of `threads` threads (a multiple of 32) out of `mem`
   // (16-byte aligned, kBytesPerThread * threads bytes).
   __device__ __forceinline__ CornerSlots(void* mem, int threads)
@@ -101,11 +103,11 @@ __device__ __forceinline__ void gather_corners(A (&acc)[VEC], const Corners<A>& 
   }
 }
 
-// Decides which levels a caching backend keeps in shared memory: the
+// Chooses the levels a caching backend keeps in shared memory: the
 // smallest levels first, while their pixels add up to at most `capacity`.
 // One thread calls it; off[l] = pixel offset of level l's pixel 0 in the
 // cache (levels concatenated), or -1 when level l is read from global memory.
-__device__ inline void plan_cache(const Level* lv, int L, int64_t capacity, int64_t* off) {
+__device__ inline void choose_cached_levels(const Level* lv, int L, int64_t capacity, int64_t* off) {
   unsigned done = 0;  // bit l: level l considered
   for (int l = 0; l < L; ++l) off[l] = -1;
   int64_t used = 0;
@@ -121,35 +123,6 @@ __device__ inline void plan_cache(const Level* lv, int L, int64_t capacity, int6
     off[best] = used;
     used += pixels;
   }
-}
-
-// Dynamic shared memory of a caching backend's launch: `fixed` bytes it
-// always needs (the CornerSlots), then a cache of `budget` bytes: the caller's
-// request (ForwardParams::smem_budget, -1 for none: then `fallback`), capped
-// by what the device lets the kernel opt in to, in 16-byte units. Sets the
-// kernel's dynamic shared-memory limit to match.
-struct SmemPlan {
-  int64_t budget = 0;   // cache bytes
-  int64_t dynamic = 0;  // fixed + budget
-  int sms = 0;
-};
-
-template <typename Kernel>
-cudaError_t plan_smem(Kernel kernel, int64_t fixed, int64_t requested, int64_t fallback,
-                      SmemPlan& plan) {
-  DeviceLimits d;
-  cudaError_t err = device_limits(d);
-  if (err != cudaSuccess) return err;
-  cudaFuncAttributes attr;
-  err = cudaFuncGetAttributes(&attr, kernel);
-  if (err != cudaSuccess) return err;
-  const int64_t cap = int64_t(d.smem_optin) - int64_t(attr.sharedSizeBytes) - fixed;
-  const int64_t want = requested >= 0 ? requested : fallback;
-  plan.budget = std::max<int64_t>(0, std::min(want, cap)) / 16 * 16;
-  plan.dynamic = fixed + plan.budget;
-  plan.sms = d.sms;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(plan.dynamic));
 }
 
 // Location and weight of point i of a (query, head) row.

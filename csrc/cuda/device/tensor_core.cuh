@@ -74,7 +74,7 @@ __device__ __forceinline__ void cp_async_wait() {
 // A weight as a 16-bit (T) high part and the rounding of what is left, so
 // that an mma over both (each against the same B) sums it to about fp32
 // precision: 16 significant bits for bf16, 22 for fp16 where w's low part
-// is a normal fp16 (|w| >= 2^-3; value_grad_tiles scales fp16 weights into
+// is a normal fp16 (|w| >= 2^-3; grad_value_tiles_kernel scales fp16 weights into
 // that range).
 template <typename T>
 __device__ __forceinline__ void split_16(float w, uint16_t& hi, uint16_t& lo) {
@@ -90,7 +90,7 @@ __device__ __forceinline__ void split_16(float w, uint16_t& hi, uint16_t& lo) {
   }
 }
 
-// acc += W^T G over one 32-sample round of value_grad_tiles' layouts: W a
+// acc += W^T G over one 32-sample round of grad_value_tiles_kernel' layouts: W a
 // [k-step][hi, lo][pixel][sample] plane pair (16 pixels x 32 samples, a
 // pixel's 16 samples two 16-byte halves swapped on pixels 4-7 and 12-15);
 // G's rows (32 channels of 16 bits) wherever they lie in shared memory: for

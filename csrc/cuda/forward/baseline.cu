@@ -54,23 +54,23 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
 template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
-    const int lanes = lanes_for(p.pb.D, VEC);
-    const int64_t threads = p.pb.N * p.pb.Lq * p.pb.M * lanes;
+    const ForwardPlan& plan = p.plan;
+    const auto grid = static_cast<unsigned>(plan.blocks);
     if (p.ref != nullptr) {
-      // The fused operator sends no fp64 values here (fused_forward_cuda).
+      // The fused operator's plan sends no fp64 values here.
       if constexpr (std::is_same_v<acc_t<T>, float>) {
         const cudaError_t err =
-            fit_carveout<baseline_forward_kernel<T, LT, VEC, true>>(kForwardBlocksPerSm);
+            fit_carveout<baseline_forward_kernel<T, LT, VEC, true>>(plan.resident);
         if (err != cudaSuccess) return err;
-        baseline_forward_kernel<T, LT, VEC, true><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+        baseline_forward_kernel<T, LT, VEC, true><<<grid, plan.threads, 0, stream>>>(p, plan.lanes);
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
     }
     const cudaError_t err =
-        fit_carveout<baseline_forward_kernel<T, LT, VEC, false>>(kForwardBlocksPerSm);
+        fit_carveout<baseline_forward_kernel<T, LT, VEC, false>>(plan.resident);
     if (err != cudaSuccess) return err;
-    baseline_forward_kernel<T, LT, VEC, false><<<grid_for(threads), kThreads, 0, stream>>>(p, lanes);
+    baseline_forward_kernel<T, LT, VEC, false><<<grid, plan.threads, 0, stream>>>(p, plan.lanes);
     return cudaGetLastError();
   }
 };

@@ -13,10 +13,6 @@
 namespace msda::cuda {
 namespace {
 
-// The smallest block the launcher halves down to (threads); the kernel's
-// slots are sized for the largest, kThreads.
-constexpr int kMinBlockThreads = 64;
-
 // The launch's run-time divisions (FastDiv, built on the host): by the
 // blocks a (batch, head) takes, by the heads, by the points a level. Every
 // block index and point number is below 2^31 (the predicate bounds the grid).
@@ -137,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
 // The same rows with per-lane set-up (LaneRow, sampler.cuh): a row is
 // served by `split` groups of `lanes` lanes, each taking every split-th
 // chunk of the row's points, their sums added by shuffles. For problems
-// with few warps (lane_row_split(), launch_shapes.h); 16-byte vectors of
+// with few warps (lane_row_split(), plan/launch_shapes.h); 16-byte vectors of
 // fp32, bf16 or fp16 only (the rest take the slots).
 template <typename T, typename LT, int VEC>
 __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
@@ -176,61 +172,43 @@ __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
   }
 }
 
+// The plan's launch (plan/forward_plan.cpp, plan_blocked): the block size,
+// the kernel (per-lane set-up where plan.split > 0) and the blocks a
+// (batch, head).
 template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
-    DeviceLimits d;
-    cudaError_t err = device_limits(d);
-    if (err != cudaSuccess) return err;
-    const Problem& pb = p.pb;
-    const int lanes = lanes_for(pb.D, VEC);
-    auto qblocks_for = [&](int threads) {
-      const int64_t groups = threads / lanes;
-      return (pb.Lq + groups - 1) / groups;
-    };
-    // Smaller blocks where blocks of kThreads would leave SMs idle (the
-    // decoders: a few hundred queries a (batch, head)).
-    int threads = kThreads;
-    while (threads > kMinBlockThreads && threads / 2 >= lanes &&
-           qblocks_for(threads) * pb.N * pb.M < 2 * int64_t(d.sms)) {
-      threads /= 2;
-    }
-    const int64_t qblocks = qblocks_for(threads);
-    const auto blocks = static_cast<unsigned>(qblocks * pb.N * pb.M);  // < 2^31: the predicate
-    const int resident = kForwardBlocksPerSm * kThreads / threads;  // an SM, by the register cap
-    auto divisors = [&](int64_t per_head) { return RowDivisors(per_head, pb.M, pb.P); };
+    const ForwardPlan& plan = p.plan;
+    const auto blocks = static_cast<unsigned>(plan.blocks);  // < 2^31: the predicate
+    const RowDivisors div(plan.blocks_per_head, p.pb.M, p.pb.P);
+    cudaError_t err = cudaSuccess;
     if (p.ref != nullptr) {
-      // The fused operator sends no fp64 values here (fused_forward_cuda).
+      // The fused operator's plan sends no fp64 values here.
       if constexpr (std::is_same_v<acc_t<T>, float>) {
-        err = fit_carveout<blocked_forward_kernel<T, LT, VEC, true>>(resident);
+        err = fit_carveout<blocked_forward_kernel<T, LT, VEC, true>>(plan.resident);
         if (err != cudaSuccess) return err;
-        blocked_forward_kernel<T, LT, VEC, true><<<blocks, threads, 0, stream>>>(
-            p, lanes, divisors(qblocks));
+        blocked_forward_kernel<T, LT, VEC, true><<<blocks, plan.threads, 0, stream>>>(
+            p, plan.lanes, div);
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
     }
-    if constexpr (VEC * sizeof(T) == 16 && !std::is_same_v<T, double>) {
-      const int split = p.blocked_rows == BlockedRows::shared
-                            ? 0
-                            : lane_row_split(pb.N * pb.M * pb.Lq, lanes, pb.L * pb.P, d.sms,
-                                             p.blocked_rows == BlockedRows::lane);
-      if (split > 0) {
-        const int64_t rows = threads / (lanes * split);  // threads >= 32 >= lanes * split
-        const int64_t row_blocks = (pb.Lq + rows - 1) / rows;
-        err = fit_carveout<blocked_lane_rows_kernel<T, LT, VEC>>(kLaneRowBlocksPerSm * kThreads /
-                                                                 threads);
+    if (plan.split > 0) {
+      // Instantiated for what the plan gives per-lane set-up: 16-byte vectors
+      // of fp32, bf16 or fp16.
+      if constexpr (VEC * sizeof(T) == 16 && !std::is_same_v<T, double>) {
+        err = fit_carveout<blocked_lane_rows_kernel<T, LT, VEC>>(plan.resident);
         if (err != cudaSuccess) return err;
-        blocked_lane_rows_kernel<T, LT, VEC>
-            <<<static_cast<unsigned>(row_blocks * pb.N * pb.M), threads, 0, stream>>>(
-                p, lanes, split, divisors(row_blocks));
+        blocked_lane_rows_kernel<T, LT, VEC><<<blocks, plan.threads, 0, stream>>>(
+            p, plan.lanes, plan.split, div);
         return cudaGetLastError();
       }
+      return cudaErrorInvalidValue;
     }
-    err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(resident);
+    err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(plan.resident);
     if (err != cudaSuccess) return err;
-    blocked_forward_kernel<T, LT, VEC, false><<<blocks, threads, 0, stream>>>(
-        p, lanes, divisors(qblocks));
+    blocked_forward_kernel<T, LT, VEC, false><<<blocks, plan.threads, 0, stream>>>(
+        p, plan.lanes, div);
     return cudaGetLastError();
   }
 };

@@ -33,7 +33,7 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kCThreads = 1024;  // one block per SM, 32 warps (64 registers a thread)
+constexpr int kCThreads = kClusterThreads;  // one block per SM, 32 warps (64 registers a thread)
 constexpr int kMaxPortable = 8;
 constexpr int kMaxNonPortable = 16;
 
@@ -101,9 +101,10 @@ __global__ void __launch_bounds__(kCThreads, 1)
   const uint32_t part_addr = static_cast<uint32_t>(__cvta_generic_to_shared(part));
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cache_off[kMaxLevels];  // first pixel of level l in the sequence, or -1
+  static_assert(sizeof(levels) + sizeof(cache_off) <= kCachingStaticSmem);
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
-  if (threadIdx.x == 0) plan_cache(levels, pb.L, part_pixels * C, cache_off);
+  if (threadIdx.x == 0) choose_cached_levels(levels, pb.L, part_pixels * C, cache_off);
   __syncthreads();
 
   const int64_t nm = blockIdx.x >> log2c;  // one cluster per (n, m)
@@ -167,14 +168,13 @@ template <typename T, typename LT, int VEC>
 struct Launch {
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
     auto kernel = cluster_forward_kernel<T, LT, VEC>;
-    // Dynamic shared memory: the CornerSlots, then this block's part (by
-    // default all the shared memory the device allows).
-    SmemPlan plan;
-    cudaError_t err = plan_smem(kernel, CornerSlots<acc_t<T>>::kBytesPerThread * kCThreads,
-                                p.smem_budget, INT64_MAX, plan);
+    // Dynamic shared memory: the CornerSlots, then this block's part (the
+    // plan's budget: by default all the shared memory the device allows).
+    const int64_t part_pixels = p.plan.smem_budget / (p.pb.D * static_cast<int64_t>(sizeof(T)));
+    const int64_t dynamic = CornerSlots<acc_t<T>>::kBytesPerThread * kCThreads + p.plan.smem_budget;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(dynamic));
     if (err != cudaSuccess) return err;
-    const int64_t part_pixels = plan.budget / (p.pb.D * static_cast<int64_t>(sizeof(T)));
-    const int64_t dynamic = plan.dynamic;
 
     cudaLaunchConfig_t cfg = {};
     cudaLaunchAttribute cluster_dim[1] = {};
@@ -220,8 +220,7 @@ struct Launch {
     if (p.pb.N * p.pb.M * c > INT32_MAX) return cudaErrorInvalidConfiguration;
     cluster_dim[0].val.clusterDim.x = static_cast<unsigned>(c);
     cfg.gridDim = dim3(static_cast<unsigned>(p.pb.N * p.pb.M * c));
-    const int lanes = lanes_for(p.pb.D, VEC);
-    return cudaLaunchKernelEx(&cfg, kernel, p, lanes, log2c, part_pixels);
+    return cudaLaunchKernelEx(&cfg, kernel, p, p.plan.lanes, log2c, part_pixels);
   }
 };
 

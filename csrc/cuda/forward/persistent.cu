@@ -15,15 +15,15 @@
 // SM's L1.
 //
 // Cache: when a block starts on an (n, m) it copies into shared memory every
-// level of that (n, m) that fits in its budget, smallest levels first (the
-// plan is made on the device from the level table, which stays on the GPU).
-// The default budget is kDefaultCache bytes, not all the shared memory: the
+// level of that (n, m) that fits in its budget, smallest levels first (chosen
+// on the device from the level table, which stays on the GPU).
+// The default budget is kPersistentCache bytes, not all the shared memory: the
 // rest of the SM's 256 KB stays L1 for the levels read from global memory.
 // A cached level is stored as [pixel][D] (one head's channels contiguous), so
 // the VEC channels a lane reads are contiguous and the `lanes` threads of a
 // query read one whole pixel row. Samples on cached levels read shared
-// memory, the others global memory with 16-byte vector loads. The budget is a
-// launch parameter (tests shrink it to cover the global fallback).
+// memory, the others global memory with 16-byte vector loads. The budget is
+// the plan's (tests shrink it to cover the global fallback).
 // Measured (docs/performance.md): the smaller the budget, the faster (a
 // cached row costs the L1/TEX pipe what an L1 hit does, and the carve-out
 // takes L1 from the other levels); even with none this backend is slower
@@ -36,12 +36,13 @@
 namespace msda::cuda {
 namespace {
 
-// One block of 1024 threads per SM (32 warps, the baseline's occupancy; at
-// most 64 registers a thread).
-constexpr int kPThreads = 1024;
+// One block of kPThreads (1024) threads per SM (32 warps, the baseline's
+// occupancy; at most 64 registers a thread); its cache's bytes are the
+// plan's (ForwardPlan::smem_budget; by default kPersistentCache, the rest of
+// the SM's memory is L1).
+constexpr int kPThreads = kPersistentThreads;
 constexpr int kWarpQueries = 16;                              // queries of a unit (one warp's)
 constexpr int kChunkQueries = kWarpQueries * kPThreads / 32;  // a block's round: sizes the grid
-constexpr int64_t kDefaultCache = 96 * 1024;  // bytes; the rest of the SM's memory is L1
 
 // The next unit of a pair's counter for the whole warp: lane 0 takes it,
 // every lane gets it.
@@ -63,10 +64,11 @@ __global__ void __launch_bounds__(kPThreads, 1)
   __shared__ Level levels[kMaxLevels];
   __shared__ int64_t cache_off[kMaxLevels];
   __shared__ int s_unit;
+  static_assert(sizeof(levels) + sizeof(cache_off) + sizeof(s_unit) <= kCachingStaticSmem);
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   __syncthreads();
   if (threadIdx.x == 0) {
-    plan_cache(levels, pb.L, p.smem_budget / (pb.D * int64_t(sizeof(T))), cache_off);
+    choose_cached_levels(levels, pb.L, p.plan.smem_budget / (pb.D * int64_t(sizeof(T))), cache_off);
     for (int l = 0; l < pb.L; ++l) cache_off[l] = cache_off[l] < 0 ? -1 : cache_off[l] * pb.D;
   }
   __syncthreads();
@@ -144,32 +146,30 @@ __global__ void __launch_bounds__(kPThreads, 1)
 
 template <typename T, typename LT, int VEC>
 struct Launch {
-  static cudaError_t run(ForwardParams p, cudaStream_t stream) {
+  static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
     auto kernel = persistent_forward_kernel<T, LT, VEC>;
-    // Dynamic shared memory: the CornerSlots, then the cache (default
-    // kDefaultCache bytes).
-    SmemPlan plan;
-    cudaError_t err = plan_smem(kernel, CornerSlots<acc_t<T>>::kBytesPerThread * kPThreads,
-                                p.smem_budget, kDefaultCache, plan);
+    // Dynamic shared memory: the CornerSlots, then the cache.
+    const int64_t dynamic = CornerSlots<acc_t<T>>::kBytesPerThread * kPThreads + p.plan.smem_budget;
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(dynamic));
     if (err != cudaSuccess) return err;
-    p.smem_budget = plan.budget;
-    const int64_t dynamic = plan.dynamic;
+    DeviceInfo d;
+    err = current_device_info(d);
+    if (err != cudaSuccess) return err;
     int per_sm = 0;
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kPThreads,
                                                         static_cast<size_t>(dynamic));
     if (err != cudaSuccess) return err;
-    const int lanes = lanes_for(p.pb.D, VEC);
     const int64_t chunks = (p.pb.Lq + kChunkQueries - 1) / kChunkQueries;
     const int64_t grid =
-        std::min<int64_t>(int64_t(std::max(per_sm, 1)) * plan.sms, p.pb.N * p.pb.M * chunks);
-    kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(dynamic), stream>>>(p, lanes);
+        std::min<int64_t>(int64_t(std::max(per_sm, 1)) * d.sms, p.pb.N * p.pb.M * chunks);
+    kernel<<<static_cast<unsigned>(grid), kPThreads, static_cast<size_t>(dynamic), stream>>>(
+        p, p.plan.lanes);
     return cudaGetLastError();
   }
 };
 
 }  // namespace
-
-int64_t persistent_workspace_bytes(const Problem& pb) { return pb.N * pb.M * int64_t(sizeof(int)); }
 
 cudaError_t persistent_forward(const ForwardParams& p, cudaStream_t stream) {
   return launch_for_dtypes<Launch>(p, stream);

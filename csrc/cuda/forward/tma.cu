@@ -25,11 +25,10 @@
 namespace msda::cuda {
 namespace {
 
-constexpr int kTmaThreads = 512;
-// Both stages together by default: small enough for two blocks an SM (16 KB
-// of CornerSlots each besides); full-size boxes (one block an SM) measured
-// slower (docs/performance.md).
-constexpr int64_t kDefaultStages = 64 * 1024;
+// kTmaThreads threads a block; both stages together in the plan's budget
+// (ForwardPlan::smem_budget; by default kTmaStages, small enough for two
+// blocks an SM with 16 KB of CornerSlots each besides; full-size boxes, one
+// block an SM, measured slower: docs/performance.md).
 
 struct TmaParams {
   ForwardParams p;
@@ -189,6 +188,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   __shared__ Level levels[kMaxLevels];
   __shared__ StageBoxes boxes[2];
   __shared__ __align__(8) uint64_t bars[2];
+  static_assert(sizeof(levels) + sizeof(boxes) + sizeof(bars) <= kCachingStaticSmem);
   load_levels(levels, p.spatial_shapes, p.level_start, pb.L, pb.S);
   for (int i = threadIdx.x; i < 2 * 3 * kMaxLevels; i += kTmaThreads) {
     boxes[i / (3 * kMaxLevels)].sums[(i / kMaxLevels) % 3][i % kMaxLevels] = 0.f;
@@ -318,7 +318,7 @@ struct Launch {
       auto kernel = tma_forward_kernel<T, LT, VEC>;
       TmaParams tp;
       tp.p = p;
-      tp.lanes = lanes_for(pb.D, VEC);
+      tp.lanes = p.plan.lanes;
       // Tile: as square a patch as a power-of-two query count allows (16 x 8
       // for 128 queries), when the queries are the levels' pixels.
       const int per_tile = kTmaThreads / tp.lanes;
@@ -327,15 +327,11 @@ struct Launch {
       tp.tile_w = tw;
       tp.tile_h = per_tile / tw;
       tp.patches = pb.Lq == pb.S;
-      // Dynamic shared memory: 128 bytes of alignment slack, the CornerSlots,
-      // then two stages of boxes, at most kDefaultStages bytes (or what
-      // MS_DEFORM_ATTN_SMEM_BUDGET says), within what the device allows.
-      const int64_t fixed = 128 + CornerSlots<acc_t<T>>::kBytesPerThread * kTmaThreads;
-      SmemPlan plan;
-      cudaError_t err = plan_smem(kernel, fixed, p.smem_budget, kDefaultStages, plan);
-      if (err != cudaSuccess) return err;
-      err = make_tma_levels(p, tp.patches ? tp.tile_w : per_tile, tp.patches ? tp.tile_h : 1,
-                            plan.budget / 2, tp.lv);
+      // Dynamic shared memory: kTmaAlignSlack bytes of alignment slack, the
+      // CornerSlots, then two stages of boxes within the plan's budget.
+      const int64_t fixed = kTmaAlignSlack + CornerSlots<acc_t<T>>::kBytesPerThread * kTmaThreads;
+      cudaError_t err = make_tma_levels(p, tp.patches ? tp.tile_w : per_tile,
+                                        tp.patches ? tp.tile_h : 1, p.plan.smem_budget / 2, tp.lv);
       if (err != cudaSuccess) return err;
       const int64_t dynamic = fixed + 2 * tp.lv.stage_bytes;
       err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -359,7 +355,10 @@ struct Launch {
                                                           static_cast<size_t>(dynamic));
       if (err != cudaSuccess) return err;
       if (per_sm < 1) return cudaErrorInvalidConfiguration;
-      const int64_t blocks = std::min<int64_t>(tp.items, int64_t(per_sm) * plan.sms);
+      DeviceInfo d;
+      err = current_device_info(d);
+      if (err != cudaSuccess) return err;
+      const int64_t blocks = std::min<int64_t>(tp.items, int64_t(per_sm) * d.sms);
       kernel<<<static_cast<unsigned>(blocks), kTmaThreads, dynamic, stream>>>(tp);
       return cudaGetLastError();
     }

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <sstream>
 
-#include "cuda/launch_shapes.h"
+#include "launch_shapes.h"
 
 namespace msda {
 namespace {
@@ -34,15 +34,15 @@ int vector_width(const BackwardProblem& p, int want, bool reads_value = true) {
 // bound keeps the sorted path's scratch, 32 bytes a sample, within 8x the
 // atomic accumulator's 4 D bytes a pixel); and 16-bit values wherever the
 // block-local grad_value applies (the decoders, no sort).
-bool sorted_preferred(const BackwardProblem& p, const BackwardDevice& d) {
+bool sorted_preferred(const BackwardProblem& p, const DeviceInfo& d) {
   const Problem& pb = p.pb;
   const int64_t samples = pb.Lq * pb.L * pb.P;
   const bool dense = half_dtype(pb.value_dtype) && dots_mma_ok(p) && 3 * samples >= pb.S &&
                      samples <= pb.S * pb.D;
-  return dense || (half_dtype(pb.value_dtype) && local_value_grad_ok(p, d));
+  return dense || (half_dtype(pb.value_dtype) && local_grad_value_ok(p, d));
 }
 
-bool wants_reproducible(const BackwardProblem& p, const BackwardDevice& d, const BackwardWishes& w) {
+bool wants_reproducible(const BackwardProblem& p, const DeviceInfo& d, const BackwardWishes& w) {
   switch (w.request) {
     case GradValueRequest::atomic: return w.deterministic;
     case GradValueRequest::sorted:
@@ -52,7 +52,7 @@ bool wants_reproducible(const BackwardProblem& p, const BackwardDevice& d, const
 }
 
 // The tensor-core dots kernel's form for p.
-DotsKernel mma_form(const BackwardProblem& p, const BackwardDevice& d) {
+DotsKernel mma_form(const BackwardProblem& p, const DeviceInfo& d) {
   const Problem& pb = p.pb;
   const int LPp = pb.L * padded_points(pb.P);
   const bool rows_idle = 32 % LPp != 0;  // whole rows leave lanes of a warp idle
@@ -78,13 +78,6 @@ GradValueRequest parse_grad_value_request(const std::string& name) {
               "'; expected 'auto', 'atomic', 'sorted' or 'local'");
 }
 
-int pointer_alignment(const void* ptr) {
-  const auto a = reinterpret_cast<uintptr_t>(ptr);
-  int align = 1;
-  while (align < 32 && a % (2 * align) == 0) align *= 2;
-  return align;
-}
-
 bool dots_mma_ok(const BackwardProblem& p) {
   const Problem& pb = p.pb;
   return pb.D % 32 == 0 && pb.L * padded_points(pb.P) <= 32 &&
@@ -92,17 +85,18 @@ bool dots_mma_ok(const BackwardProblem& p) {
          p.value_align >= 16 && p.grad_out_align >= 16;
 }
 
-bool local_value_grad_ok(const BackwardProblem& p, const BackwardDevice& d) {
+bool local_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d) {
   const Problem& pb = p.pb;
   const int64_t elem = dtype_bytes(pb.value_dtype);
-  const bool fits = pb.Lq * pb.P <= kLocalCapSmall ? d.local_small_fits : d.local_fits;
+  const int64_t smem = pb.Lq * pb.P <= kLocalCapSmall ? cuda::kLocalSmemSmall : cuda::kLocalSmem;
+  const bool fits = d.smem_optin >= smem;
   return fits && pb.value_dtype != DType::f64 && pb.L >= 1 && pb.Lq * pb.P <= kLocalCap &&
          pb.N * pb.M * pb.S < (int64_t(1) << 31) && pb.S < (int64_t(1) << 30) &&
          sample_count(pb) < (int64_t(1) << 31) && pb.M * pb.D * elem <= int64_t(UINT32_MAX) &&
          pb.D % (16 / elem) == 0 && p.grad_out_align >= 16;
 }
 
-BackwardPlan plan_backward(const BackwardProblem& p, const BackwardDevice& d, const BackwardWishes& w) {
+BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const BackwardWishes& w) {
   const Problem& pb = p.pb;
   BackwardPlan plan;
   const bool f64 = pb.value_dtype == DType::f64;
@@ -113,7 +107,7 @@ BackwardPlan plan_backward(const BackwardProblem& p, const BackwardDevice& d, co
   }
   const bool reproducible = wants_reproducible(p, d, w);
   if (reproducible) {
-    plan.grad_value = w.request != GradValueRequest::sorted && local_value_grad_ok(p, d)
+    plan.grad_value = w.request != GradValueRequest::sorted && local_grad_value_ok(p, d)
                           ? GradValuePath::local
                           : GradValuePath::sorted;
   }

@@ -1,16 +1,17 @@
-// The backward's policy, in one place (the plan's fields: params.h): which grad_value path, which dots
-// kernel and which vector widths serve a problem on CUDA, and whether the
-// fused operator falls back to its ATen composite. A pure function of the
-// problem, the device's limits and the caller's wishes; the CUDA launchers
-// (cuda/msda_cuda.cpp, cuda/backward/) take its plan and test nothing else,
-// and ms_deform_attn::_select_backward_path shows it. docs/backward.md
-// explains each path and why it wins where it is chosen.
+// The backward's policy, in one place (the plan's fields: params.h): which
+// grad_value path, which dots kernel and which vector widths serve a problem
+// on CUDA, and whether the fused operator falls back to its ATen composite.
+// A pure function of the problem, the device (DeviceInfo) and the caller's
+// wishes; the CUDA launchers (cuda/msda_cuda.cpp, cuda/backward/) take its
+// plan and test nothing else, and ms_deform_attn.select_backward_path shows
+// it. docs/backward.md explains each path and why it wins where it is chosen.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-#include "params.h"
+#include "../params.h"
+#include "device.h"
 
 namespace msda {
 
@@ -29,26 +30,13 @@ struct BackwardProblem {
   int grad_out_align = 16; // (the largest power of two dividing the address, at most 32)
 };
 
-// The limits of the device the backward runs on that the plan depends on.
-struct BackwardDevice {
-  int sms = 132;
-  // Whether a block may opt in to the block-local kernel's shared memory
-  // (the kernel for Lq P <= kLocalCapSmall, and the larger one).
-  bool local_small_fits = true;
-  bool local_fits = true;
-};
-
 struct BackwardWishes {
   bool deterministic = false;
   GradValueRequest request = GradValueRequest::automatic;
 };
 
-// The largest power of two dividing ptr's address, at most 32 (the widest
-// vector the kernels read): BackwardProblem's alignments.
-int pointer_alignment(const void* ptr);
-
 // The plan for p on device d given the caller's wishes w.
-BackwardPlan plan_backward(const BackwardProblem& p, const BackwardDevice& d, const BackwardWishes& w);
+BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const BackwardWishes& w);
 
 // The conditions the planner tests, for the launchers' own checks.
 // Tensor-core dots: D a multiple of 32, at most 32 sample slots a row (each
@@ -59,7 +47,7 @@ bool dots_mma_ok(const BackwardProblem& p);
 // The block-local grad_value: Lq P <= kLocalCap, 16-bit or fp32 values with
 // D a multiple of 16 bytes, 16-byte aligned grad_output, its 32-bit index
 // ranges, and the kernel's shared memory on the device.
-bool local_value_grad_ok(const BackwardProblem& p, const BackwardDevice& d);
+bool local_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d);
 // "grad_value=local dots=mma vec=8 gather=none gather_vec=1 composite=0".
 std::string to_string(const BackwardPlan& plan);
 

@@ -1,0 +1,76 @@
+// The backend questions for any device (backend_queries.h).
+#include "backend_queries.h"
+
+#include <c10/util/Exception.h>
+
+#include <sstream>
+
+#include "overrides.h"
+
+namespace msda {
+namespace {
+
+CudaDeviceInfoFn& device_info_fn() {
+  static CudaDeviceInfoFn fn = nullptr;
+  return fn;
+}
+
+std::string no_kernel(c10::Device device) {
+  std::ostringstream os;
+  os << "no kernel for device " << device << " in this build";
+  return os.str();
+}
+
+}  // namespace
+
+void set_cuda_device_info(CudaDeviceInfoFn fn) { device_info_fn() = fn; }
+
+std::optional<DeviceInfo> cuda_device_info(int device) {
+  return device_info_fn() == nullptr ? std::nullopt : device_info_fn()(device);
+}
+
+std::vector<std::string> available_backends(c10::Device device) {
+  if (device.is_cpu()) return {"cpu"};
+  if (!device.is_cuda()) return {};
+  const auto info = cuda_device_info(device.has_index() ? device.index() : -1);
+  return info ? cuda_backends(*info) : std::vector<std::string>{};
+}
+
+ForwardWishes forward_wishes(c10::string_view backend) {
+  ForwardWishes w;
+  w.backend = std::string(backend);
+  if (w.backend == "auto") {
+    if (std::string name = backend_override(); !name.empty()) w.backend = name;
+  }
+  w.blocked_rows = blocked_rows_override();
+  w.smem_budget = smem_budget_override();
+  return w;
+}
+
+ForwardPlan forward_plan(const ForwardProblem& p, c10::Device device, c10::string_view backend,
+                         const std::optional<DeviceInfo>& info) {
+  if (!info && device.is_cpu()) {
+    const std::string why = backend_reason(backend, p, device);
+    TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", backend, "' ", why);
+    ForwardPlan plan;
+    plan.backend = ForwardBackend::cpu;
+    return plan;
+  }
+  const auto d = info ? info : device.is_cuda() ? cuda_device_info(device.index()) : std::nullopt;
+  TORCH_CHECK(d.has_value(), "ms_deform_attn: ", no_kernel(device));
+  return plan_forward(p, *d, forward_wishes(backend));
+}
+
+std::string backend_reason(c10::string_view backend, const ForwardProblem& p, c10::Device device) {
+  const std::string name(backend);
+  if (device.is_cpu()) {
+    if (name == "cpu" || name == "auto") return "";
+    if (name == "pytorch") return cuda_backend_reason(name, p, DeviceInfo{});
+    return "cannot run on CPU tensors; backends for cpu: ['cpu'] (or 'auto')";
+  }
+  const auto d = device.is_cuda() ? cuda_device_info(device.index()) : std::nullopt;
+  if (!d) return no_kernel(device);
+  return cuda_backend_reason(name, p, *d);
+}
+
+}  // namespace msda

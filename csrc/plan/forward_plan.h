@@ -1,0 +1,60 @@
+// The forward's policy, in one place: which backends exist, which of them a
+// device and a problem allow (each backend's can-run checks), the one `auto`
+// picks, and how the chosen kernel is launched (block shape, lane split,
+// shared-memory budget, vector width, whether value is copied, whether the
+// fused operator takes its ATen composite). A pure function of the problem,
+// a DeviceInfo and the caller's wishes; the CUDA launchers take its plan
+// (ForwardPlan, params.h) and test nothing else, and
+// ms_deform_attn.select_forward_plan shows it. docs/backends.md explains
+// each backend and why auto picks what it picks.
+#pragma once
+
+#include <c10/util/string_view.h>
+
+#include <string>
+#include <vector>
+
+#include "../params.h"
+#include "device.h"
+
+namespace msda {
+
+// Every backend name of the library, whatever the build: "cpu", the CUDA
+// backends in the order "auto" prefers them, and "pytorch" (the grid_sample
+// reference, run by the Python entry points only; never picked by "auto").
+const std::vector<std::string>& backend_names();
+// Raises unless `backend` is "auto" or one of backend_names().
+void check_backend_name(c10::string_view backend);
+const char* backend_name(ForwardBackend b);
+
+struct ForwardProblem {
+  Problem pb;
+  bool fused = false;     // ms_deform_attn_fused (offsets and logits in; ForwardParams::ref)
+  int value_align = 32;   // value's data pointer alignment in bytes (pointer_alignment, at most 32)
+};
+
+struct ForwardWishes {
+  std::string backend = "auto";  // "auto" or a name of backend_names()
+  // Test hooks (MS_DEFORM_ATTN_BLOCKED_ROWS, MS_DEFORM_ATTN_SMEM_BUDGET, read in overrides.cpp).
+  BlockedRows blocked_rows = BlockedRows::automatic;
+  int64_t smem_budget = -1;      // cache bytes of a caching backend (-1: its default)
+};
+
+// The CUDA backends a device of compute capability d can run at all, in the
+// order "auto" prefers them.
+std::vector<std::string> cuda_backends(const DeviceInfo& d);
+// Why CUDA backend `name` cannot run problem p on device d ("" when it can);
+// "auto" always can; unknown names and "cpu" / "pytorch" say why not.
+std::string cuda_backend_reason(const std::string& name, const ForwardProblem& p, const DeviceInfo& d);
+// The backend "auto" resolves to for p on d.
+std::string auto_backend(const ForwardProblem& p, const DeviceInfo& d);
+
+// The plan for p on CUDA device d given the wishes w; raises, naming the
+// reason, when the backend asked for cannot run p there.
+ForwardPlan plan_forward(const ForwardProblem& p, const DeviceInfo& d, const ForwardWishes& w);
+
+// "backend=blocked composite=0 copy_value=0 vec=4 lanes=8 threads=256 split=0
+// blocks_per_head=32 blocks=... resident=4 smem_budget=0 workspace=0".
+std::string to_string(const ForwardPlan& plan);
+
+}  // namespace msda
