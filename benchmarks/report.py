@@ -1,43 +1,24 @@
-"""Render BENCHMARKS.md from a bench.json written by benchmarks.run.
+"""Render BENCHMARKS.md, and the README's headline table, from a bench.json
+written by benchmarks.run: every figure comes from that one run (ours, the
+reference and the peers it found installed); nothing is typed in here.
 
     python -m benchmarks.report benchmarks/results/bench.json > BENCHMARKS.md
-
-Every figure of ours comes from the JSON (one run); the peers' figures are
-quoted from docs/workloads.md, measured on the same kind of device
-(picked by the run's device name: H100 or H200).
+    python -m benchmarks.report --readme README.md benchmarks/results/bench.json
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional, Sequence
 
-# Quoted from docs/workloads.md, microseconds, forward / backward.
-# H200 (2026-11-22): grid_sample fwd, original fp32 fwd, bwd, DCNv4 flash
-# fp16 fwd, bwd, its error against fp64.
-PEERS_H200 = {
-    "seed": (24199, 2861, 7995, 673, 15907, 5.9e-2),
-    "ddetr_enc": (3730, 761, 1961, 167, 2904, 2.1e-2),
-    "ddetr_dec": (237, 28, 68, 30, 94, 2.4e-2),
-    "dino_dec": (567, 79, 207, 41, 336, 1.3e-1),
-    "rtdetr_dec": (588, 90, 222, 41, 354, 2.0e-1),
-    "dino5_enc": (12021, 1846, 4907, 426, 7787, 3.6e-2),
-    "bevformer_tsa": (1557, 546, 1032, 111, 1068, 4.9e-2),
-    "m2f_enc": (1645, 302, 747, 74, 1021, 2.1e-2),
-}
-# H100 (2026-11-28, the operator at 2246dfc beside them): original fp32 fwd,
-# bwd; flash fp16 fwd, bwd, error; triton (roulbac/msda-triton) fp32 fwd,
-# bwd; triton bf16 fwd, bwd, error (its 16-bit locations). None: not measured.
-PEERS_H100 = {
-    "seed": (2899, 8057, 712, 15980, 6e-2, 1021, 5592, None, None, None),
-    "ddetr_enc": (767, 1976, 175, 2952, 2e-2, 197, 1210, 214, 892, 0.16),
-    "ddetr_dec": (24, 69, 25, 99, 2e-2, 13.7, 44, 8.3, 30, 0.19),
-    "dino_dec": (75, 213, 38, 358, 1e-1, 35.3, 158, 29.7, 105, 0.18),
-    "rtdetr_dec": (87, 238, 36, 388, 2e-1, 43.6, 183, 33.3, 115, 0.12),
-    "dino5_enc": (1865, 4935, 448, 7806, 4e-2, None, None, None, None, None),
-    "bevformer_tsa": (554, 1035, 110, 1091, 5e-2, None, None, None, None, None),
-    "m2f_enc": (305, 749, 70, 1030, 2e-2, 77, 433, None, None, None),
-}
+from .peers import PEERS
+
+DEFAULT_RESULTS = "benchmarks/results/bench.json"
+# The README's block, between these lines, is headline()'s.
+HEADLINE_BEGIN = "<!-- headline: written by `python -m benchmarks.report --readme README.md` -->"
+HEADLINE_END = "<!-- /headline -->"
+HEADLINE_DTYPES = ("bf16", "fp32")
 
 
 def _row(rows: List[Dict], wl: str, dtype: str, impl: str, pas: str):
@@ -55,84 +36,110 @@ def _us(x) -> str:
     return "" if x is None else (f"{x:.1f}" if x < 100 else f"{x:.0f}")
 
 
-def comparison(result: Dict, backend: str) -> List[str]:
-    """Our figures (`backend`, or "auto": the backend auto picked for each
-    workload and dtype) beside the peers' on the same kind of device; the
-    Triton peer's measured figures where the run has them, else quoted."""
+def _kind(r: Dict) -> str:
+    """ours, peer or reference (results written before rows said so: by name)."""
+    return r.get("kind") or ("reference" if r["impl"] == "reference"
+                             else "peer" if r["impl"] in PEERS else "ours")
+
+
+def peers_in(result: Dict) -> List[str]:
+    """The peers the run measured, in peers.PEERS' order."""
+    found = {r["impl"] for r in result["rows"] if _kind(r) == "peer"}
+    return [p for p in PEERS if p in found] + sorted(found - set(PEERS))
+
+
+def _cell(rows: List[Dict], wl: str, dtype: str, impl: str) -> Optional[Dict]:
+    """An implementation's forward / backward and forward error for one
+    (workload, dtype), or None where the run has no forward of it."""
+    f = _row(rows, wl, dtype, impl, "fwd")
+    if f is None:
+        return None
+    b = _row(rows, wl, dtype, impl, "fwdbwd")
+    return {"fwd": f["time_us"], "bwd": b.get("bwd_us") if b else None, "err": f["rel_err"]}
+
+
+def _text(c: Optional[Dict]) -> str:
+    if c is None:
+        return "-"
+    times = _us(c["fwd"]) + ("" if c["bwd"] is None else f" / {_us(c['bwd'])}")
+    return f"{times} ({c['err']:.1e})"
+
+
+def peer_table(result: Dict, dtypes: Sequence[str], canonical_only: bool = False) -> List[str]:
+    """Ours (the backend auto picks for each row) beside every peer the run
+    measured, per (workload, dtype): forward / backward in microseconds,
+    the forward's error against float64, and our speed-up over the fastest
+    peer of the row (its time / ours, forward and backward)."""
     rows = result["rows"]
-
-    def impl(wl, dtype):
-        if backend != "auto":
-            return backend
-        r = next((r for r in rows if (r["workload"], r["dtype"]) == (wl, dtype)
-                  and r.get("auto_choice")), None)
-        return r["auto_choice"] if r else backend
-
-    def ours(wl, dtype, pas, key="time_us"):
-        r = _row(rows, wl, dtype, impl(wl, dtype), pas)
-        return r and r.get(key)
-
-    def err(wl, dtype):
-        r = _row(rows, wl, dtype, impl(wl, dtype), "fwd")
-        return "" if r is None else f"{r['rel_err']:.1e}"
-
-    def measured_triton(wl, dtype):
-        f, b = _row(rows, wl, dtype, "triton", "fwd"), _row(rows, wl, dtype, "triton", "fwdbwd")
-        if f is None:
-            return None
-        bwd = b.get("bwd_us") if b else None
-        text = f"**{_us(f['time_us'])}** / {_us(bwd)}" if bwd is not None else f"**{_us(f['time_us'])}**"
-        return text + (f" ({f['rel_err']:.2f})" if dtype != "fp32" else "")
-
-    if "H100" in str(result["env"].get("device_name")):
-        out = [
-            "| workload | ours fp32 fwd / bwd | triton fp32 | original fp32 | ours bf16 fwd / bwd "
-            "(error) | triton bf16 (error) | ours fp16 fwd / bwd (error) | flash fp16 (error) |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for wl, (of, ob, ff, fb, fe, tf, tb, t16f, t16b, t16e) in PEERS_H100.items():
-            if ours(wl, "fp32", "fwd") is None and ours(wl, "bf16", "fwd") is None:
-                continue
-            tri16 = measured_triton(wl, "bf16") or (
-                f"{_us(t16f)} / {_us(t16b)} ({t16e})" if t16f is not None else "-")
-            tri32 = measured_triton(wl, "fp32") or (f"{_us(tf)} / {_us(tb)}" if tf is not None else "-")
-            out.append(
-                f"| {wl} | {_us(ours(wl, 'fp32', 'fwd'))} / {_us(ours(wl, 'fp32', 'fwdbwd', 'bwd_us'))} | "
-                f"{tri32} | {_us(of)} / {_us(ob)} | "
-                f"{_us(ours(wl, 'bf16', 'fwd'))} / {_us(ours(wl, 'bf16', 'fwdbwd', 'bwd_us'))} ({err(wl, 'bf16')}) | "
-                f"{tri16} | "
-                f"{_us(ours(wl, 'fp16', 'fwd'))} / {_us(ours(wl, 'fp16', 'fwdbwd', 'bwd_us'))} ({err(wl, 'fp16')}) | "
-                f"{_us(ff)} / {_us(fb)} ({fe:.0e}) |")
-        return out
-    # Other devices: the peers quoted for the H200, and the Triton peer's
-    # figures where this run measured them.
-    triton = any(r["impl"] == "triton" for r in rows)
-    out = [
-        "| workload | ours fp32 fwd | original fwd | ours fp32 bwd | original bwd | "
-        "ours bf16 fwd | ours bf16 bwd | ours bf16 error | flash fp16 fwd | flash fp16 bwd | "
-        "flash fp16 error |" + (" triton fp32 fwd / bwd | triton bf16 fwd / bwd (error) |"
-                                if triton else ""),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if triton else ""),
-    ]
-    for wl, (gs, of, ob, ff, fb, fe) in PEERS_H200.items():
-        if ours(wl, "fp32", "fwd") is None and ours(wl, "bf16", "fwd") is None:
+    peers = peers_in(result)
+    keys = [k for k in dict.fromkeys((r["workload"], r["dtype"]) for r in rows if r["pass_"] == "fwd")
+            if k[1] in dtypes and not (canonical_only and ("@" in k[0] or "/" in k[0]))]
+    keys.sort(key=lambda k: list(dtypes).index(k[1]))
+    head = ["workload", "dtype", "ours"] + peers + (["ours vs the fastest peer"] if peers else [])
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for wl, dt in keys:
+        pick = next((r.get("auto_choice") for r in rows
+                     if (r["workload"], r["dtype"]) == (wl, dt) and r.get("auto_choice")), None)
+        ours = _cell(rows, wl, dt, pick) if pick else None
+        if ours is None:
             continue
-        out.append(
-            f"| {wl} | {_us(ours(wl, 'fp32', 'fwd'))} | {of} | {_us(ours(wl, 'fp32', 'fwdbwd', 'bwd_us'))} | "
-            f"{ob} | {_us(ours(wl, 'bf16', 'fwd'))} | {_us(ours(wl, 'bf16', 'fwdbwd', 'bwd_us'))} | "
-            f"{err(wl, 'bf16')} | {ff} | {fb} | {fe:.1e} |"
-            + (f" {measured_triton(wl, 'fp32') or '-'} | {measured_triton(wl, 'bf16') or '-'} |"
-               if triton else ""))
+        theirs = {p: _cell(rows, wl, dt, p) for p in peers}
+
+        def speedup(key):
+            best = min((c[key] for c in theirs.values() if c and c[key] is not None), default=None)
+            return "-" if best is None or ours[key] is None else f"{best / ours[key]:.2f}x"
+
+        cells = [wl, dt, _text(ours)] + [_text(theirs[p]) for p in peers]
+        if peers:
+            fwd, bwd = speedup("fwd"), speedup("bwd")
+            cells.append("-" if fwd == bwd == "-" else f"{fwd} / {bwd}")
+        out.append("| " + " | ".join(cells) + " |")
     return out
+
+
+def _caption(result: Dict) -> str:
+    env = result["env"]
+    return (f"{env.get('device_name')}, {env['date'][:10]}, commit `{env['commit']}`: one "
+            "`benchmarks.run --full`, every implementation in the same process, CUDA-graph "
+            "replays where its calls capture")
+
+
+def headline(result: Dict) -> str:
+    """The README's headline block: ours beside every peer of the run, one caption."""
+    peers = peers_in(result)
+    lines = [HEADLINE_BEGIN, "",
+             _caption(result) + ". Forward / backward in microseconds, the forward's relative "
+             "error against float64 in brackets; ours is the backend `auto` picks"
+             + (", the last column our speed-up over the fastest peer of the row (forward / "
+                "backward)." if peers else
+                "; no peer was installed on that machine, so ours stands alone (BENCHMARKS.md "
+                "says why each was skipped).")
+             + " bf16 and fp16 take fp32 locations and weights. fp16, the `smooth` "
+             "location variants and every backend: [BENCHMARKS.md](BENCHMARKS.md).",
+             ""]
+    lines += peer_table(result, HEADLINE_DTYPES, canonical_only=True)
+    lines += ["", HEADLINE_END]
+    return "\n".join(lines) + "\n"
+
+
+def replace_headline(readme: str, block: str) -> str:
+    """readme with its headline block (HEADLINE_BEGIN to HEADLINE_END) replaced by `block`."""
+    start, end = readme.find(HEADLINE_BEGIN), readme.find(HEADLINE_END)
+    if start < 0 or end < start:
+        raise ValueError(f"the README has no headline block ({HEADLINE_BEGIN} ... {HEADLINE_END})")
+    return readme[:start] + block + readme[end + len(HEADLINE_END) + 1:]
 
 
 def full_table(result: Dict) -> List[str]:
     torch_timer = any("torch_us" in r for r in result["rows"])
     extra_h = " torch.utils.benchmark (us, IQR) |" if torch_timer else ""
+    spread = any("spread_us" in r for r in result["rows"])
     out = [
-        "| workload | dtype | pass | impl | time (us) | bwd (us) | GB/s | x floor | floor (us) "
+        "| workload | dtype | pass | impl | time (us) |" + (" spread (us) |" if spread else "")
+        + " bwd (us) | GB/s | x floor | floor (us) "
         "| rel. error (out; or grad value / loc / weights) |" + extra_h,
-        "|---|---|---|---|---:|---:|---:|---:|---:|---|" + ("---|" if torch_timer else ""),
+        "|---|---|---|---|---:|" + ("---:|" if spread else "") + "---:|---:|---:|---:|---|"
+        + ("---|" if torch_timer else ""),
     ]
     for r in result["rows"]:
         err = " / ".join(f"{e:.1e}" for e in r.get("rel_err_by_input", [r["rel_err"]]))
@@ -141,7 +148,8 @@ def full_table(result: Dict) -> List[str]:
             extra = f" {r['torch_us']:.1f} ({r['torch_iqr_us']:.1f}) |" if "torch_us" in r else " |"
         out.append(
             f"| {r['workload']} | {r['dtype']} | {r['pass_']} | {r['impl']} | {r['time_us']:.1f} | "
-            f"{_fmt(r.get('bwd_us'), '.1f')} | {r['GBps']:.0f} | {r['x_floor']:.1f} | "
+            + (f"{_fmt(r.get('spread_us'), '.1f')} | " if spread else "")
+            + f"{_fmt(r.get('bwd_us'), '.1f')} | {r['GBps']:.0f} | {r['x_floor']:.1f} | "
             f"{r['floor_us']:.1f} | {err} |{extra}")
     return out
 
@@ -177,24 +185,24 @@ def auto_table(result: Dict, forward_backends: List[str]) -> List[str]:
 
 def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
     env = result["env"]
-    ours = sorted({r["impl"] for r in result["rows"]} - {"reference", "mmcv", "original", "triton"})
-    main_backend = "auto" if any(r.get("auto_choice") for r in result["rows"]) else (
-        "baseline" if "baseline" in ours else (ours[0] if ours else "cpu"))
+    ours = sorted({r["impl"] for r in result["rows"] if _kind(r) == "ours"})
     timer = env.get("timer", "graph")
+    peers = peers_in(result)
     lines = [
         "# Benchmarks",
         "",
         "Generated by `python -m benchmarks.report benchmarks/results/bench.json` from one run of "
         "`python -m benchmarks.run --full` (every workload of [docs/workloads.md](docs/workloads.md), "
-        "every backend side by side). Nothing here is written by hand.",
+        "every backend and every installed peer side by side). Nothing here is written by hand.",
         "",
         f"- device: **{env.get('device_name')}** ({env.get('sm_count', '?')} SMs), "
         f"torch {env['torch']}, CUDA {env['cuda']}",
         f"- date: {env['date']}, commit: `{env['commit']}`",
         f"- device-to-device copy rate measured in the same run: "
         f"{env['copy_bandwidth_GBps']:.0f} GB/s (floors below use it)",
-        "- times: medians; our backends timed as CUDA-graph replays (GPU time, no launch gaps), "
-        "the reference between CUDA events; inputs rotated so that they do not sit in L2"
+        "- times: medians; our backends (and the peers whose calls capture) timed as CUDA-graph "
+        "replays (GPU time, no launch gaps), the others between CUDA events; inputs rotated so "
+        "that they do not sit in L2"
         + ("" if timer == "graph" else "; the torch.utils.benchmark column: "
            "Timer.blocked_autorange of eager calls (launch overhead included), median and IQR"),
         "- bf16 / fp16 rows: 16-bit value and output, fp32 locations and weights (the autocast "
@@ -204,28 +212,25 @@ def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
         "",
         f"![time per backend per workload]({chart})",
         "",
-        f"## Against the peers (`{main_backend}`" + (": the backend auto picks for each row)"
-                                                      if main_backend == "auto" else " backend)"),
+        "## Against the peers (ours: the backend auto picks for each row)",
         "",
-        ("Triton figures in **bold** were measured in this run, side by side (roulbac/msda-triton, "
-         "CUDA-graph replays; its 16-bit runs include the cast of locations and weights to "
-         "value's dtype, which it requires); other peer figures are quoted from "
-         "[docs/workloads.md](docs/workloads.md), measured on the same kind of device in one "
-         "process there. " if any(r["impl"] == "triton" for r in result["rows"]) else
-         "Peer figures quoted from [docs/workloads.md](docs/workloads.md), measured on the same "
-         "kind of device in one process there (not re-run here: no peer is installed on the GPU "
-         "machine). ") + "Times in microseconds, forward / backward; errors against float64.",
+        (f"Measured in this run, side by side: {', '.join(peers)} (benchmarks/peers.py says how "
+         "each is called). " if peers else
+         "No peer was installed on the machine of this run (the notes at the end say why each "
+         "was skipped): ours alone. ")
+        + "Times in microseconds, forward / backward; errors of the forward against float64.",
         "",
     ]
-    lines += comparison(result, main_backend)
+    lines += peer_table(result, ("fp32", "bf16", "fp16"))
     # Forward backends only ("deterministic" changes the backward alone).
     forward_backends = [b for b in ours if b != "deterministic"]
     lines += [
         "",
         "## Auto-selection (forward, every backend side by side)",
         "",
-        "`backend=\"auto\"` walks the preference table in `csrc/cuda/forward/backends.cpp`; "
-        "this checks its choice against the fastest backend of the same run.",
+        "`backend=\"auto\"` takes the first backend of the forward planner's table "
+        "(`csrc/plan/forward_plan.cpp`) that can run and that it may pick; this checks its choice "
+        "against the fastest backend of the same run.",
         "",
     ]
     lines += auto_table(result, forward_backends)
@@ -241,12 +246,23 @@ def render(result: Dict, chart: str = "benchmarks/results/bench.png") -> str:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print(__doc__)
-        return 2
-    with open(argv[0]) as f:
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.report",
+        description="Render BENCHMARKS.md (to standard output) or the README's headline table (in "
+                    "place, --readme) from the results of one benchmarks.run.")
+    ap.add_argument("results", nargs="?", default=DEFAULT_RESULTS,
+                    help=f"a bench.json written by benchmarks.run (default {DEFAULT_RESULTS})")
+    ap.add_argument("--readme", metavar="PATH",
+                    help="rewrite the headline block of this README in place instead")
+    args = ap.parse_args(argv)
+    with open(args.results) as f:
         result = json.load(f)
+    if args.readme:
+        with open(args.readme) as f:
+            text = f.read()
+        with open(args.readme, "w") as f:
+            f.write(replace_headline(text, headline(result)))
+        return 0
     sys.stdout.write(render(result))
     return 0
 

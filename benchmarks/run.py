@@ -6,11 +6,13 @@
         --backends all --passes fwd,fwdbwd --out results/
     python -m benchmarks.run --timer both       # torch.utils.benchmark beside the graph replays
 
-For every (workload, dtype, pass, implementation): median time, effective
-GB/s (fewest bytes / time), the ratio to the workload's floor (fewest bytes /
-the device-to-device copy rate measured in the same run) and the relative
-error against the float64 reference on the same inputs. Prints a table and
-writes bench.json and bench.png under --out.
+For every (workload, dtype, pass, implementation): median time and its
+spread (interquartile range), effective GB/s (fewest bytes / time), the
+ratio to the workload's floor (fewest bytes / the device-to-device copy rate
+measured in the same run) and the relative error against the float64
+reference on the same inputs. Ours, the reference and every installed peer
+(benchmarks/peers.py) run in the same process. Prints a table and writes
+bench.json and bench.png under --out.
 """
 from __future__ import annotations
 
@@ -31,9 +33,10 @@ import ms_deform_attn as msda
 from ms_deform_attn import testing as W
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 
+from .peers import PEERS
 from .report import auto_verdicts
-from .timing import (DETERMINISTIC, FP32_ONLY, GRAPH_PEERS, PEERS, copy_bandwidth, implementations,
-                     our_backends, time_cpu, time_cuda, time_torch_benchmark)
+from .timing import (DETERMINISTIC, Timing, copy_bandwidth, implementations, our_backends, time_cpu,
+                     time_cuda, time_torch_benchmark)
 
 DTYPES = {  # name -> (value dtype, location / weight dtype)
     "fp32": (torch.float32, torch.float32),
@@ -43,6 +46,9 @@ DTYPES = {  # name -> (value dtype, location / weight dtype)
 PASSES = ("fwd", "fwdbwd")
 DEFAULT_WORKLOADS = "ddetr_enc,ddetr_dec"
 CPU_SCALE = 4
+# A measurement whose interquartile range passes this share of its median
+# was taken on a busy machine: the run says so.
+BUSY_SPREAD = 0.25
 
 
 def parse_args(argv=None):
@@ -175,7 +181,21 @@ def measure(args) -> Dict:
         rows.extend(bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw,
                               args, notes))
     env["timer"] = args.timer
+    busy = [r for r in rows if r.get("spread_us", 0) > BUSY_SPREAD * r["time_us"]]
+    if busy:
+        worst = max(busy, key=lambda r: r["spread_us"] / r["time_us"])
+        notes.append(
+            f"the machine was busy: {len(busy)} of {len(rows)} measurements spread more than "
+            f"{BUSY_SPREAD:.0%} of their median (worst {worst['impl']} {worst['workload']} "
+            f"{worst['dtype']} {worst['pass_']}: {worst['time_us']:.1f} us, interquartile range "
+            f"{worst['spread_us']:.1f} us); time again on an idle machine before comparing")
+        print(f"warning: {notes[-1]}", file=sys.stderr)
     return {"env": env, "notes": notes, "rows": rows}
+
+
+def kind_of(name: str) -> str:
+    """What an implementation is in the results: ours, a peer or the reference."""
+    return "peer" if name in PEERS else "reference" if name == "reference" else "ours"
 
 
 # torch.utils.benchmark Measurements of the run (--timer torch / both), for
@@ -212,12 +232,12 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
     # passes them (value_spatial_shapes_list); the tma backend needs them.
     choice = msda.select_backend(*[t.detach() for t in base], spatial_shapes_list=wl.levels)
     for name, fn in impls.items():
-        if name in FP32_ONLY and dtype != torch.float32:
+        if name in PEERS and dname not in PEERS[name].dtypes:
             continue
         if getattr(fn, "takes_host_shapes", False):
             fn = functools.partial(fn, spatial_shapes_list=wl.levels)
         for pas in passes:
-            row = dict(workload=wl.name, dtype=dname, impl=name, pass_=pas,
+            row = dict(workload=wl.name, dtype=dname, impl=name, kind=kind_of(name), pass_=pas,
                        auto_choice=choice, sets=n_sets)
             try:
                 if pas == "fwd":
@@ -247,21 +267,23 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
                     MEASUREMENTS.append(m)
                     row.update(torch_us=m.median * 1e6, torch_iqr_us=m.iqr * 1e6)
                 if args.timer == "torch":
-                    t, method, reps = m.median * 1e6, "torch.utils.benchmark", m.number_per_run * len(m.times)
+                    timing = Timing(m.median * 1e6, m.iqr * 1e6, "torch.utils.benchmark",
+                                    m.number_per_run * len(m.times))
                 elif device == "cuda":
-                    t, method, reps = time_cuda(step, n_sets, use_graph=(name in our_backends("cuda")
-                                                                      or name in GRAPH_PEERS
-                                                                      or name == DETERMINISTIC),
-                                                target_ms=args.target_ms)
+                    graph = (name in our_backends("cuda") or name == DETERMINISTIC
+                             or (name in PEERS and PEERS[name].graph))
+                    timing = time_cuda(step, n_sets, use_graph=graph, target_ms=args.target_ms)
                 else:
-                    t, method, reps = time_cpu(step, n_sets, target_s=args.target_ms / 1e3)
+                    timing = time_cpu(step, n_sets, target_s=args.target_ms / 1e3)
             except Exception as exc:
                 notes.append(f"{name} {wl.name} {dname} {pas} failed: {type(exc).__name__}: {exc}")
                 continue
             fb = W.floor_bytes(wl, dtype, loc_dtype, backward=(pas == "fwdbwd"))
             floor_us = fb / copy_bw * 1e6
-            row.update(time_us=t, method=method, reps=reps, floor_bytes=fb, floor_us=floor_us,
-                       GBps=fb / (t * 1e-6) / 1e9, x_floor=t / floor_us)
+            t = timing.median_us
+            row.update(time_us=t, spread_us=timing.iqr_us, method=timing.method, reps=timing.reps,
+                       floor_bytes=fb, floor_us=floor_us, GBps=fb / (t * 1e-6) / 1e9,
+                       x_floor=t / floor_us)
             rows.append(row)
     # Backward time derived as (fwd + bwd) - fwd of the same implementation.
     by_key = {(r["impl"], r["pass_"]): r for r in rows}
@@ -278,16 +300,16 @@ def fmt_table(result: Dict) -> str:
         f"device: {env.get('device_name')} | torch {env['torch']} | CUDA {env['cuda']} | "
         f"commit {env['commit']} | {env['date']} | copy {env['copy_bandwidth_GBps']:.0f} GB/s",
         "",
-        "| workload | dtype | pass | impl | time (us) | bwd (us) | GB/s | x floor "
+        "| workload | dtype | pass | impl | time (us) | spread (us) | bwd (us) | GB/s | x floor "
         "| rel. error (out; or grad value / loc / weights) |",
-        "|---|---|---|---|---:|---:|---:|---:|---|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in result["rows"]:
         bwd = f"{r['bwd_us']:.1f}" if "bwd_us" in r else ""
         err = " / ".join(f"{e:.1e}" for e in r.get("rel_err_by_input", [r["rel_err"]]))
         lines.append(
             f"| {r['workload']} | {r['dtype']} | {r['pass_']} | {r['impl']} | {r['time_us']:.1f} | "
-            f"{bwd} | {r['GBps']:.0f} | {r['x_floor']:.1f} | {err} |")
+            f"{r['spread_us']:.1f} | {bwd} | {r['GBps']:.0f} | {r['x_floor']:.1f} | {err} |")
     lines += auto_check(result["rows"])
     for n in result["notes"]:
         lines.append(f"note: {n}")

@@ -1,14 +1,16 @@
-"""Timers and the implementations under test (ours, the reference, peers)."""
+"""Timers and the implementations under test (ours, the reference, the peers of peers.py)."""
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import torch
 
 import ms_deform_attn as msda
 from ms_deform_attn.reference import ms_deform_attn_pytorch
+
+from .peers import PEERS
 
 Inputs = Sequence[torch.Tensor]  # value, spatial_shapes, level_start_index, locations, weights
 
@@ -37,46 +39,6 @@ def _reference(value, shapes, start, loc, attn):
     return ms_deform_attn_pytorch(value, shapes, start, loc, attn)
 
 
-def _peer_mmcv():
-    from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
-
-    def fn(value, shapes, start, loc, attn):
-        return MultiScaleDeformableAttnFunction.apply(value, shapes, start, loc, attn, 64)
-    return fn
-
-
-def _peer_original():
-    import MultiScaleDeformableAttention as MSDA  # noqa: F401  (the Deformable DETR extension)
-
-    class _Fn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, value, shapes, start, loc, attn):
-            ctx.save_for_backward(value, shapes, start, loc, attn)
-            return MSDA.ms_deform_attn_forward(value, shapes, start, loc, attn, 64)
-
-        @staticmethod
-        def backward(ctx, grad):
-            value, shapes, start, loc, attn = ctx.saved_tensors
-            gv, gl, ga = MSDA.ms_deform_attn_backward(value, shapes, start, loc, attn,
-                                                      grad.contiguous(), 64)
-            return gv, None, None, gl, ga
-
-    return _Fn.apply
-
-
-def _peer_triton():
-    # roulbac/msda-triton, when importable: it takes locations and weights in
-    # value's dtype, so 16-bit runs include their cast (a small kernel).
-    from msda_triton import multi_scale_deformable_attention as triton_msda
-
-    def fn(value, shapes, start, loc, attn):
-        return triton_msda(value, shapes, start, loc.to(value.dtype), attn.to(value.dtype))
-    return fn
-
-
-PEERS = {"mmcv": _peer_mmcv, "original": _peer_original, "triton": _peer_triton}
-
-
 def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callable], List[str]]:
     """name -> callable for every requested implementation that can run here,
     plus notes on the ones skipped. Names: our backends, "reference", peers."""
@@ -92,7 +54,7 @@ def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callab
             impls[name] = _reference
         elif name in PEERS:
             try:
-                impls[name] = PEERS[name]()
+                impls[name] = PEERS[name].make()
             except Exception as exc:  # not installed / not built for this device
                 notes.append(f"peer {name!r} skipped: {type(exc).__name__}: {exc}")
         else:
@@ -100,12 +62,18 @@ def implementations(device: str, names: Sequence[str]) -> Tuple[Dict[str, Callab
     return impls, notes
 
 
-# Peers timed as CUDA-graph replays like ours (their launches capture; the
-# others read shapes on the host).
-GRAPH_PEERS = {"triton"}
+class Timing(NamedTuple):
+    """A measurement: the median and the interquartile range of one step, in
+    microseconds, how it was timed, and over how many repetitions."""
+    median_us: float
+    iqr_us: float
+    method: str
+    reps: int
 
-# Peers limited to fp32 (the original op) are given fp32 inputs only.
-FP32_ONLY = {"original"}
+
+def _timing(times: List[float], method: str) -> Timing:
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return Timing(statistics.median(times), q[2] - q[0], method, len(times))
 
 
 # ---- timing -----------------------------------------------------------------------
@@ -115,8 +83,8 @@ def _sync(device: str):
 
 
 def time_cuda(step: Callable[[int], object], n_sets: int, use_graph: bool,
-              target_ms: float = 300.0, min_reps: int = 10) -> Tuple[float, str, int]:
-    """Median time of one step on the GPU, in microseconds.
+              target_ms: float = 300.0, min_reps: int = 10) -> Timing:
+    """Time of one step on the GPU (median and spread, microseconds).
 
     step(i) runs the work on input set i (rotating sets keep small inputs from
     being served by L2). With use_graph, one CUDA graph holds one step per set
@@ -164,11 +132,11 @@ def time_cuda(step: Callable[[int], object], n_sets: int, use_graph: bool,
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / n_sets)
-    return statistics.median(times), method, reps
+    return _timing(times, method)
 
 
-def time_cpu(step: Callable[[int], object], n_sets: int, target_s: float = 1.0) -> Tuple[float, str, int]:
-    """Median wall-clock time of one step on the CPU, in microseconds."""
+def time_cpu(step: Callable[[int], object], n_sets: int, target_s: float = 1.0) -> Timing:
+    """Wall-clock time of one step on the CPU (median and spread, microseconds)."""
     step(0)
     t0 = time.perf_counter()
     step(0)
@@ -179,7 +147,7 @@ def time_cpu(step: Callable[[int], object], n_sets: int, target_s: float = 1.0) 
         t0 = time.perf_counter()
         step(r % n_sets)
         times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times), "wall", reps
+    return _timing(times, "wall")
 
 
 def time_torch_benchmark(step: Callable[[int], object], label: str, sub_label: str,
@@ -204,7 +172,7 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
     if device.startswith("cuda"):
-        t, _, _ = time_cuda(lambda i: dst.copy_(src), 1, use_graph=False, target_ms=200)
+        t = time_cuda(lambda i: dst.copy_(src), 1, use_graph=False, target_ms=200).median_us
     else:
-        t, _, _ = time_cpu(lambda i: dst.copy_(src), 1, target_s=0.5)
+        t = time_cpu(lambda i: dst.copy_(src), 1, target_s=0.5).median_us
     return 2 * nbytes / (t * 1e-6)

@@ -56,6 +56,26 @@ REFERENCE_BACKEND = "pytorch"
 _CUDA_KERNELS = bool(_lib._built_with_cuda())
 
 
+def _warn_without_cuda_kernels() -> None:
+    """A build without the CUDA kernels imported where a GPU is visible:
+    said at import, where a pip user sees it (pip hides the build's own
+    notice), instead of at the first CUDA call."""
+    if _CUDA_KERNELS:
+        return
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return
+    import warnings
+    warnings.warn(
+        "ms_deform_attn was built without its CUDA kernels (no nvcc was found at build time), "
+        f"but this torch sees a GPU ({torch.cuda.get_device_name(0)}): CUDA tensors will raise. "
+        f"Rebuild with the CUDA toolkit {torch.version.cuda} on the PATH (or CUDA_HOME set), e.g. "
+        "`FORCE_CUDA=1 pip install --no-build-isolation --force-reinstall --no-deps .`.",
+        RuntimeWarning, stacklevel=3)
+
+
+_warn_without_cuda_kernels()
+
+
 def cuda_archs() -> str:
     """The CUDA architectures this build has kernels for, as
     TORCH_CUDA_ARCH_LIST gave them to the compiler ("8.0;8.6;...;12.0+PTX");

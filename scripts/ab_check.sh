@@ -27,7 +27,7 @@ for s in ${AB_STAGES:-test ktimes bench}; do
     ktimes) for t in old new; do d=$NEW; [ $t = old ] && d=$OLD
         IFS=';' read -ra runs <<< "${KT:-ddetr_enc bf16}"
         for r in "${runs[@]}"; do (cd $d && python scripts/kernel_times.py $r) 2>&1 | sed "s/^/$t /"; done
-      done | tee "$OUT/ktimes.txt" | grep -E "total|==|value_grad|dots|pack|Onesweep|cell_starts|backward_kernel" ;;
+      done | tee "$OUT/ktimes.txt" | grep -E "total|==|grad_value|dots|pack|Onesweep|cell_starts" ;;
     bench) for t in old new; do d=$NEW; [ $t = old ] && d=$OLD
         (cd $d && python -m benchmarks.run ${BENCH:---workloads ddetr_enc,ddetr_enc@smooth,m2f_enc,bevformer_tsa,dino5_enc --dtypes bf16,fp32 --backends baseline,deterministic --passes fwd,fwdbwd --target-ms 40} --no-plot --out "$OUT/bench_$t") > "$OUT/bench_$t.log" 2>&1
         echo "--- $t"; grep -E '^\|' "$OUT/bench_$t.log" | grep -v "| fwd |" | head -60
@@ -35,7 +35,7 @@ for s in ${AB_STAGES:-test ktimes bench}; do
     layerk) for t in old new; do d=$NEW; [ $t = old ] && d=$OLD
         IFS=';' read -ra runs <<< "${LK:-ddetr_enc bf16 fused}"
         for r in "${runs[@]}"; do (cd $d && python scripts/layer_kernels.py $r) 2>&1 | sed "s/^/$t /"; done \
-          | grep -E "total|==|value_grad|dots|pack|Onesweep|cell_starts|backward_kernel|footprints"
+          | grep -E "total|==|grad_value|dots|pack|Onesweep|cell_starts|footprints"
       done | tee "$OUT/layerk.txt" ;;
   esac
 done

@@ -79,7 +79,7 @@ for stage in $STAGES; do
         --section Occupancy --section LaunchStats --section SchedulerStats \
         --metrics l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,lts__t_sector_hit_rate.pct,smsp__inst_executed.sum,l1tex__t_requests_pipe_lsu_mem_global_op_red.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_red.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_atom.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_atom.sum,smsp__inst_executed_op_shared_atom.sum \
         $PY scripts/profile_kernels.py ${PROFILE_ARGS:-} > "$OUT/ncu.txt" 2>&1 || status=1
-      grep -E "forward_kernel|backward_kernel|Duration|stalled|atom|Throughput|Hit Rate|Achieved Occupancy|Stall|wavefronts|requests|sectors|inst_executed|No Eligible|Issued Warp" "$OUT/ncu.txt" | head -150 ;;
+      grep -E "forward_kernel|dots_kernel|Duration|stalled|atom|Throughput|Hit Rate|Achieved Occupancy|Stall|wavefronts|requests|sectors|inst_executed|No Eligible|Issued Warp" "$OUT/ncu.txt" | head -150 ;;
     sanitize)
       # compute-sanitizer over the small suite, the tools (SANITIZE_TOOLS) side
       # by side in separate processes (the run is CPU-bound); any report fails
@@ -133,7 +133,7 @@ for stage in $STAGES; do
       IFS=';' read -ra runs <<< "${SOURCE_ARGS:-rtdetr_dec bf16 backward}"
       i=0
       for r in "${runs[@]}"; do
-        ncu --clock-control none --profile-from-start off -k regex:"${SOURCE_KERNEL:-value_grad_local}" \
+        ncu --clock-control none --profile-from-start off -k regex:"${SOURCE_KERNEL:-grad_value_local_kernel}" \
           --section SourceCounters --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
           --import-source yes -f -o "$OUT/source_$i" $PY ${SOURCE_SCRIPT:-scripts/profile_kernels.py} $r > "$OUT/source_$i.log" 2>&1 \
           || { echo "SOURCE PROFILE FAILED ($r)"; tail -5 "$OUT/source_$i.log"; status=1; }

@@ -2,7 +2,7 @@
 when importable) on one workload, inside a cudaProfilerStart/Stop range after
 warm-up (the peer autotunes then), for `ncu --profile-from-start off` side by
 side (the `peer` stage of gpu_check.sh). The peer is called as the benchmark
-calls it (benchmarks.timing.PEERS: its 16-bit locations and weights cast per
+calls it (benchmarks.peers.PEERS: its 16-bit locations and weights cast per
 call; the stage's kernel filter leaves the casts out).
 
     python scripts/peer_profile.py [workload] [dtype] [backend]
@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
 from benchmarks.run import DTYPES, rel_err  # noqa: E402
-from benchmarks.timing import PEERS  # noqa: E402
+from benchmarks.peers import PEERS  # noqa: E402
 from ms_deform_attn import testing as W  # noqa: E402
 from ms_deform_attn.reference import ms_deform_attn_pytorch  # noqa: E402
 
@@ -27,7 +27,7 @@ inputs = W.make_inputs(wl, dtype, loc_dtype, device="cuda")
 runs = {backend: lambda: msda.ms_deform_attn(*inputs, backend=backend,
                                               spatial_shapes_list=wl.levels)}
 try:
-    peer = PEERS["triton"]()
+    peer = PEERS["triton"].make()
     runs["triton"] = lambda: peer(*inputs)
 except ImportError as exc:
     print("peer skipped:", exc)

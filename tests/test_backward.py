@@ -264,7 +264,7 @@ def test_head_major_gradients(device, workload, dtype, deterministic):
 # The deterministic path's corner dots run on tensor cores for 16-bit values
 # with D a multiple of 32, at most 32 samples a (query, head) once the points
 # of a level are padded to 4, and 16-byte aligned value and grad_output
-# (backward/mma_dots.cu, dots_mma_kernel); everything else takes the FFMA kernel.
+# (backward/mma_dots.cu, mma_dots_kernel); everything else takes the FFMA kernel.
 # These shapes walk the edges of that kernel and its fall-backs.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
@@ -307,7 +307,7 @@ def test_deterministic_dots_on_tensor_cores(dtype, d, shapes, p, lq, misaligned)
 
 
 # The deterministic path's grad_value runs on tensor cores for 16-bit values
-# with D a multiple of 32 (backward/sorted_grad_value.cu, value_grad_tiles): 4 x 4
+# with D a multiple of 32 (backward/sorted_grad_value.cu, grad_value_tiles_kernel): 4 x 4
 # pixel tiles, the samples of the 5 x 5 cells around each, crowded tiles
 # split over several warps. These shapes walk its edges: levels narrower than
 # a tile or not a multiple of 4, several 32-channel passes, every sample in

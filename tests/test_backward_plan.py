@@ -1,5 +1,5 @@
 """The backward's policy as a table: problems and the plan the planner
-(csrc/backward_plan.cpp, through ms_deform_attn.select_backward_path) makes
+(csrc/plan/backward_plan.cpp, through ms_deform_attn.select_backward_path) makes
 for them on a 132-SM device on which every kernel fits. Runs on the CPU: the
 planner is a pure function of the problem's sizes, dtypes and alignments.
 docs/backward.md explains each row's reason."""

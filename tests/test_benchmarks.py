@@ -159,21 +159,76 @@ def test_saved_bytes_leaves_no_graph_alive(impl):
     assert fired == []
 
 
-def test_peer_table_follows_auto_and_shows_measured_triton():
+def test_peer_table_follows_auto_and_shows_every_measured_peer():
     pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
-    from benchmarks.report import comparison
+    from benchmarks.report import peer_table
 
-    def row(impl, dtype, t, auto, err=1e-6):
-        return {"workload": "ddetr_enc", "dtype": dtype, "impl": impl, "pass_": "fwd",
-                "time_us": t, "rel_err": err, "auto_choice": auto}
+    def row(impl, dtype, t, auto, err=1e-6, kind=None, pas="fwd", bwd=None):
+        r = {"workload": "ddetr_enc", "dtype": dtype, "impl": impl, "pass_": pas,
+             "time_us": t, "rel_err": err, "auto_choice": auto}
+        if kind:
+            r["kind"] = kind
+        if bwd is not None:
+            r["bwd_us"] = bwd
+        return r
 
     rows = [row("baseline", "fp32", 251.0, "blocked"), row("blocked", "fp32", 210.0, "blocked"),
-            row("triton", "fp32", 196.0, "blocked"), row("baseline", "bf16", 157.0, "baseline"),
-            row("blocked", "bf16", 161.0, "baseline"), row("triton", "bf16", 248.0, "baseline", 0.16)]
-    out = comparison({"rows": rows, "env": {"device_name": "NVIDIA H100 80GB HBM3"}}, "auto")
-    line = next(line for line in out if line.startswith("| ddetr_enc |"))
-    cells = [c.strip() for c in line.split("|")[1:-1]]
-    assert cells[1].startswith("210 /")        # fp32: auto's choice, blocked
-    assert cells[2] == "**196**"                # the Triton peer measured in the run
-    assert cells[4].startswith("157 /")        # bf16: auto's choice, baseline
-    assert cells[5] == "**248** (0.16)"
+            row("blocked", "fp32", 1000.0, "blocked", pas="fwdbwd", bwd=790.0),
+            row("triton", "fp32", 196.0, "blocked"),
+            row("triton", "fp32", 1200.0, "blocked", pas="fwdbwd", bwd=1004.0),
+            row("deformops-cuda", "fp32", 420.0, "blocked", kind="peer"),
+            row("baseline", "bf16", 157.0, "baseline"), row("blocked", "bf16", 161.0, "baseline"),
+            row("triton", "bf16", 248.0, "baseline", 0.16)]
+    out = peer_table({"rows": rows, "env": {}}, ("fp32", "bf16"))
+    assert out[0] == "| workload | dtype | ours | triton | deformops-cuda | ours vs the fastest peer |"
+    cells = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[1:-1]]
+             for line in out[2:]}
+    assert cells["fp32"][2] == "210 / 790 (1.0e-06)"       # auto's choice, blocked
+    assert cells["fp32"][3] == "196 / 1004 (1.0e-06)"      # the Triton peer measured in the run
+    assert cells["fp32"][4] == "420 (1.0e-06)"             # forward only
+    assert cells["fp32"][5] == "0.93x / 1.27x"             # against the fastest peer of each pass
+    assert cells["bf16"][2] == "157 (1.0e-06)"             # auto's choice, baseline
+    assert cells["bf16"][3] == "248 (1.6e-01)" and cells["bf16"][4] == "-"
+    assert cells["bf16"][5] == "1.58x / -"
+
+
+def test_committed_reports_regenerate_from_the_committed_results():
+    """BENCHMARKS.md and the README's headline block are what
+    benchmarks.report writes from benchmarks/results/bench.json, byte for
+    byte: no figure in them is typed by hand."""
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    import pathlib
+
+    from benchmarks.report import HEADLINE_BEGIN, headline, render, replace_headline
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    result = json.loads((root / "benchmarks/results/bench.json").read_text())
+    assert render(result) == (root / "BENCHMARKS.md").read_text()
+    readme = (root / "README.md").read_text()
+    assert HEADLINE_BEGIN in readme
+    assert replace_headline(readme, headline(result)) == readme
+
+
+def test_report_help(capsys):
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks.report import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert "--readme" in capsys.readouterr().out
+
+
+def test_busy_machine_is_reported(tmp_path, monkeypatch):
+    """CPU rows carry their spread; a run whose measurements spread widely
+    says the machine was busy instead of passing for a result."""
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "BUSY_SPREAD", -1.0)  # every measurement counts as spread
+    assert run.main(["--workloads", "ddetr_dec/16", "--dtypes", "fp32", "--device", "cpu",
+                     "--scale", "1", "--backends", "cpu", "--passes", "fwd", "--target-ms", "5",
+                     "--no-plot", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert all(r["spread_us"] >= 0 for r in result["rows"])
+    assert any(n.startswith("the machine was busy") for n in result["notes"])

@@ -247,7 +247,7 @@ def test_fused_takes_non_contiguous_inputs(device, backend):
 # The fused backward forms the locations and the softmax inside the kernels
 # and writes the offsets' and logits' gradients itself: on the sorted path's
 # tensor-core dots (16-bit values, D a multiple of 32, the bf16 default on
-# dense problems or deterministic=True), else in backward_kernel (fp32
+# dense problems or deterministic=True), else in ffma_dots_kernel (fp32
 # values; 16-bit values on the atomic path). Levels x points: 2 x 3 (rows of
 # 8 slots once padded, reduced by shuffles in the dots kernel), 3 x 4 (12
 # slots) and 5 x 3 (20 once padded: rows that do not divide a warp, so a
@@ -309,8 +309,8 @@ def test_fused_kernel_backward_many_block_tasks(shape):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "dots_mma_kernel"),
-                                          (torch.float32, "backward_kernel")])
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, "mma_dots_kernel"),
+                                          (torch.float32, "ffma_dots_kernel")])
 def test_fused_kernel_backward_runs_in_the_kernels(dtype, kernel):
     """No softmax nor its backward among the kernels the backward launches
     (the composite path forms them with ATen's)."""

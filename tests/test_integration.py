@@ -132,3 +132,26 @@ def test_env_override(monkeypatch):
     monkeypatch.setenv("MS_DEFORM_ATTN_BACKEND", "nope")
     with pytest.raises(RuntimeError, match="unknown backend 'nope'"):
         msda.ms_deform_attn(*inputs)
+
+
+def test_a_build_without_cuda_kernels_warns_where_a_gpu_is_visible(monkeypatch):
+    """A CPU-only build imported where torch sees a GPU says so at import
+    (pip hides the build's notice), naming the GPU and how to rebuild; where
+    no GPU is visible, or the kernels are there, it says nothing."""
+    import warnings
+
+    from ms_deform_attn import _ops
+
+    monkeypatch.setattr(_ops, "_CUDA_KERNELS", False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    with pytest.warns(RuntimeWarning, match=r"built without its CUDA kernels .* \(NVIDIA H200\).*"
+                                            r"FORCE_CUDA=1 pip install"):
+        _ops._warn_without_cuda_kernels()
+    for kernels, gpu in ((True, True), (False, False)):
+        monkeypatch.setattr(_ops, "_CUDA_KERNELS", kernels)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu=gpu: gpu)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _ops._warn_without_cuda_kernels()
