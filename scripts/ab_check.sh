@@ -23,7 +23,7 @@ echo "built in $(( $(date +%s) - t0 )) s"
 for s in ${AB_STAGES:-test ktimes bench}; do
   echo "=== $s $(date +%T)"
   case $s in
-    test) python -m pytest -q -p no:cacheprovider ${AB_TESTS:-tests/test_backward.py tests/test_fused.py tests/test_local_grad_value.py} -n 6 2>&1 | tee "$OUT/tests.log" | tail -8 ;;
+    test) python -m pytest -q -p no:cacheprovider ${AB_TESTS:-tests/ops/test_backward.py tests/ops/test_fused.py tests/ops/test_local_grad_value.py} -n 6 2>&1 | tee "$OUT/tests.log" | tail -8 ;;
     ktimes) for t in old new; do d=$NEW; [ $t = old ] && d=$OLD
         IFS=';' read -ra runs <<< "${KT:-ddetr_enc bf16}"
         for r in "${runs[@]}"; do (cd $d && python scripts/kernel_times.py $r) 2>&1 | sed "s/^/$t /"; done

@@ -8,7 +8,7 @@
 #                               wheel, deploy)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
 #   PYTEST_ARGS=""              extra pytest arguments
-#   SANITIZE_ARGS=""            arguments for tests/sanitize_suite.py (e.g. --backends blocked)
+#   SANITIZE_ARGS=""            arguments for tests/reliability/sanitize_suite.py (e.g. --backends blocked)
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
 #                               GPU machine has no git history)
 #   PACK=1                      at the end, $OUT packed into $OUT/all.tgz when it
@@ -43,10 +43,10 @@ for stage in $STAGES; do
     test)
       # The huge-tensor tests run alone afterwards: beside parallel workers
       # (PYTEST_ARGS="-n ...") they skip for lack of free GPU memory.
-      $PY -m pytest -q -ra -p no:cacheprovider tests --ignore=tests/test_huge.py ${PYTEST_ARGS:-} 2>&1 \
+      $PY -m pytest -q -ra -p no:cacheprovider tests --ignore=tests/reliability/test_huge.py ${PYTEST_ARGS:-} 2>&1 \
         | tee "$OUT/tests.log" | tail -40
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "TESTS FAILED ($rc)"; status=1; }
-      $PY -m pytest -q -ra -p no:cacheprovider tests/test_huge.py 2>&1 | tee "$OUT/tests_huge.log" | tail -5
+      $PY -m pytest -q -ra -p no:cacheprovider tests/reliability/test_huge.py 2>&1 | tee "$OUT/tests_huge.log" | tail -5
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "HUGE TESTS FAILED ($rc)"; status=1; } ;;
     bench)
       $PY -m benchmarks.run $BENCH_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
@@ -91,7 +91,7 @@ for stage in $STAGES; do
       for tool in $tools; do
         extra=""; [ $tool = initcheck ] && extra="--check-api-memory-access no"
         ( compute-sanitizer --tool $tool $extra --error-exitcode 9 --print-limit 20 \
-            $PY tests/sanitize_suite.py ${SANITIZE_ARGS:-} > "$OUT/sanitize_$tool.txt" 2>&1
+            $PY tests/reliability/sanitize_suite.py ${SANITIZE_ARGS:-} > "$OUT/sanitize_$tool.txt" 2>&1
           echo $? > "$OUT/sanitize_$tool.rc" ) &
       done
       wait
@@ -103,10 +103,10 @@ for stage in $STAGES; do
         fi
       done ;;
     stress)
-      $PY tests/stress.py --iterations ${STRESS_ITERATIONS:-3000} 2>&1 | tee "$OUT/stress.txt" | tail -5
+      $PY tests/reliability/stress.py --iterations ${STRESS_ITERATIONS:-3000} 2>&1 | tee "$OUT/stress.txt" | tail -5
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "STRESS FAILED"; status=1; } ;;
     fuzz)
-      MSDA_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} $PY -m pytest -q -p no:cacheprovider tests/test_fuzz.py \
+      MSDA_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-1000} $PY -m pytest -q -p no:cacheprovider tests/reliability/test_fuzz.py \
         --hypothesis-show-statistics 2>&1 | tee "$OUT/fuzz.txt" | tail -15
       [ "${PIPESTATUS[0]}" = 0 ] || { echo "FUZZ FAILED"; status=1; } ;;
     ktimes)
@@ -160,7 +160,7 @@ for stage in $STAGES; do
       done
       cp -r tests pyproject.toml /tmp/msda-tests/
       ( cd /tmp/msda-tests && PYTHONPATH=/tmp/msda-site MSDA_EXPECT_INSTALLED=1 \
-          $PY -m pytest -q -ra -p no:cacheprovider tests --ignore=tests/test_huge.py ${PYTEST_ARGS:-} ) 2>&1 \
+          $PY -m pytest -q -ra -p no:cacheprovider tests --ignore=tests/reliability/test_huge.py ${PYTEST_ARGS:-} ) 2>&1 \
         | tee "$OUT/wheel_tests.log" | tail -15
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "WHEEL TESTS FAILED ($rc)"; status=1; } ;;
     deploy)

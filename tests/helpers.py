@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
+from ms_deform_attn import testing as W
+from ms_deform_attn.nn import MSDeformAttn
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 from ms_deform_attn.testing import level_tensors
 
@@ -258,3 +260,58 @@ def tiny_rt_detr(device):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     return model.to(device).eval()
+
+
+# ---- the attention modules (MSDeformAttn) -------------------------------------
+MODULE_LEVELS = [(12, 15), (6, 8), (3, 4)]
+
+
+def module_inputs(device, n=2, lq=17, d_model=64, boxes=False, mask=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes, start = level_tensors(MODULE_LEVELS, device)
+    s = sum(h * w for h, w in MODULE_LEVELS)
+    query = torch.randn(n, lq, d_model, generator=g).to(device)
+    flat = torch.randn(n, s, d_model, generator=g).to(device)
+    ref = torch.rand(n, lq, len(MODULE_LEVELS), 4 if boxes else 2, generator=g).to(device)
+    if boxes:
+        ref[..., 2:] = ref[..., 2:] * 0.5 + 0.05
+    pad = (torch.rand(n, s, generator=g) < 0.2).to(device) if mask else None
+    # The host-side shapes last (the `tma` backend needs them).
+    return query, ref, flat, shapes, start, pad, MODULE_LEVELS
+
+
+VALUE_LAYOUTS = pytest.mark.parametrize("layout", ["standard", "head_major"])
+
+
+def make_module_pair(device, backend, d_model=64, n_heads=8, n_points=3, fused=False, layout="standard"):
+    torch.manual_seed(1)
+    ours = MSDeformAttn(d_model, len(MODULE_LEVELS), n_heads, n_points, backend=backend,
+                        fused=fused, value_layout=layout).to(device)
+    # Random weights so that the comparison exercises every parameter.
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0, 0.2)
+    ref = MSDeformAttn(d_model, len(MODULE_LEVELS), n_heads, n_points, backend="pytorch").to(device)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    return ours, ref
+
+
+# ---- the planners' table tests ---------------------------------------------------
+PLANNER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                  "fp64": torch.float64}
+
+def planner_problem(workload, dtype, d=None, loc_dtype=torch.float32, misaligned=False, queries=None):
+    """Uninitialised CPU inputs of a canonical workload's sizes (the planner
+    reads sizes, dtypes and the value's alignment only); `queries` replaces
+    the workload's query count."""
+    wl = W.get(workload)
+    d = d or wl.d
+    shapes, start = W.level_tensors(wl.levels, "cpu")
+    n, s, lq, m, levels = wl.n, wl.s, queries or wl.queries, wl.m, len(wl.levels)
+    if misaligned:  # value's data one element past an aligned address
+        value = torch.empty(n * s * m * d + 1, dtype=PLANNER_DTYPES[dtype])[1:].view(n, s, m, d)
+    else:
+        value = torch.empty(n, s, m, d, dtype=PLANNER_DTYPES[dtype])
+    loc = torch.empty(n, lq, m, levels, wl.p, 2, dtype=loc_dtype)
+    attn = torch.empty(n, lq, m, levels, wl.p, dtype=loc_dtype)
+    return value, shapes, start, loc, attn

@@ -7,26 +7,11 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from ms_deform_attn import testing as W
+from helpers import planner_problem as problem
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-def problem(workload, dtype, d=None, loc_dtype=torch.float32, misaligned=False, queries=None):
-    """Uninitialised CPU inputs of a canonical workload's sizes (the planner
-    reads sizes, dtypes and the value's alignment only); `queries` replaces
-    the workload's query count."""
-    wl = W.get(workload)
-    d = d or wl.d
-    shapes, start = W.level_tensors(wl.levels, "cpu")
-    n, s, lq, m, levels = wl.n, wl.s, queries or wl.queries, wl.m, len(wl.levels)
-    if misaligned:  # value's data one element past an aligned address
-        value = torch.empty(n * s * m * d + 1, dtype=DT[dtype])[1:].view(n, s, m, d)
-    else:
-        value = torch.empty(n, s, m, d, dtype=DT[dtype])
-    loc = torch.empty(n, lq, m, levels, wl.p, 2, dtype=loc_dtype)
-    attn = torch.empty(n, lq, m, levels, wl.p, dtype=loc_dtype)
-    return value, shapes, start, loc, attn
 
 
 def plan(grad_value, dots, vec, gather="none", gather_vec=1, composite=False):

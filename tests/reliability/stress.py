@@ -4,7 +4,7 @@ captured CUDA graph; checks that the graph's results do not change, that
 memory returns to its starting level (no leak), and a sample of calls
 against the float64 reference.
 
-    python tests/stress.py [--iterations 3000] [--device cuda]
+    python tests/reliability/stress.py [--iterations 3000] [--device cuda]
 
 tests/test_stress.py runs a short loop; scripts/gpu_check.sh a long one.
 """
@@ -18,7 +18,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # helpers.py, and the checkout
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402

@@ -1,4 +1,4 @@
-"""A short run of the stress loop (tests/stress.py): random-shape calls,
+"""A short run of the stress loop (tests/reliability/stress.py): random-shape calls,
 CUDA-graph replays in between, memory back to its starting level."""
 import pytest
 import torch

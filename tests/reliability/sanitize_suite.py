@@ -7,7 +7,7 @@ path above 4096 samples a (n, m, level); value head-major on every backend
 and path. Prints the cases
 run; any sanitizer report fails the stage (--error-exitcode).
 
-    compute-sanitizer --tool memcheck python tests/sanitize_suite.py [--backends a,b]
+    compute-sanitizer --tool memcheck python tests/reliability/sanitize_suite.py [--backends a,b]
 
 --backends limits the per-backend cases to those forward backends (the
 sections that run "auto" run as always).
@@ -16,7 +16,8 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [HERE, os.path.dirname(HERE)]
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [TESTS, os.path.dirname(TESTS)]  # helpers.py, and the checkout
 import torch  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402

@@ -201,7 +201,7 @@ def test_committed_reports_regenerate_from_the_committed_results():
 
     from benchmarks.report import HEADLINE_BEGIN, headline, render, replace_headline
 
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(__file__).resolve().parents[2]
     result = json.loads((root / "benchmarks/results/bench.json").read_text())
     assert render(result) == (root / "BENCHMARKS.md").read_text()
     readme = (root / "README.md").read_text()

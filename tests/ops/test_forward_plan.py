@@ -9,7 +9,7 @@ import torch
 
 import ms_deform_attn as msda
 from ms_deform_attn import testing as W
-from test_backward_plan import problem
+from helpers import planner_problem as problem
 
 DEV = W.DEVICES
 
