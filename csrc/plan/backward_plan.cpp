@@ -37,7 +37,7 @@ int vector_width(const BackwardProblem& p, int want, bool reads_value = true) {
 bool sorted_preferred(const BackwardProblem& p, const DeviceInfo& d) {
   const Problem& pb = p.pb;
   const int64_t samples = pb.Lq * pb.L * pb.P;
-  const bool dense = half_dtype(pb.value_dtype) && dots_mma_ok(p) && 3 * samples >= pb.S &&
+  const bool dense = half_dtype(pb.value_dtype) && mma_dots_ok(p) && 3 * samples >= pb.S &&
                      samples <= pb.S * pb.D;
   return dense || (half_dtype(pb.value_dtype) && local_grad_value_ok(p, d));
 }
@@ -78,7 +78,7 @@ GradValueRequest parse_grad_value_request(const std::string& name) {
               "'; expected 'auto', 'atomic', 'sorted' or 'local'");
 }
 
-bool dots_mma_ok(const BackwardProblem& p) {
+bool mma_dots_ok(const BackwardProblem& p) {
   const Problem& pb = p.pb;
   return pb.D % 32 == 0 && pb.L * padded_points(pb.P) <= 32 &&
          pb.N * pb.S * pb.M <= int64_t(UINT32_MAX) && pb.N * pb.Lq * pb.M < int64_t(INT32_MAX) &&
@@ -116,7 +116,7 @@ BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const 
   // bytes without, which halves the work every lane repeats.
   const int want = (f64 ? 2 : 4) * (reproducible ? 2 : 1);
   plan.vec = vector_width(p, want);
-  const bool mma = reproducible && half_dtype(pb.value_dtype) && dots_mma_ok(p);
+  const bool mma = reproducible && half_dtype(pb.value_dtype) && mma_dots_ok(p);
   plan.dots = mma ? mma_form(p, d) : DotsKernel::ffma;
   // The fused FFMA kernel takes a whole row in one channel pass, vectorised.
   if (p.fused && !mma && (plan.vec != want || pb.D > int64_t(32) * want)) {

@@ -43,7 +43,7 @@ BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const 
 // level's points padded to 4), value rows numbered in 32 bits, rows below
 // 2^31, value and grad_output 16-byte aligned (16-bit values are the
 // caller's to ensure).
-bool dots_mma_ok(const BackwardProblem& p);
+bool mma_dots_ok(const BackwardProblem& p);
 // The block-local grad_value: Lq P <= kLocalCap, 16-bit or fp32 values with
 // D a multiple of 16 bytes, 16-byte aligned grad_output, its 32-bit index
 // ranges, and the kernel's shared memory on the device.

@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, kDotsBlocksPerSm)
   const int g = lane >> 2, t = lane & 3;
   const float half_p = 0.5f / float(pb.P);  // kFused, boxes
   const int64_t G = pb.N * pb.Lq * pb.M;
-  const uint32_t last_group = static_cast<uint32_t>(G - 1);  // G < 2^31 (dots_mma_ok)
+  const uint32_t last_group = static_cast<uint32_t>(G - 1);  // G < 2^31 (mma_dots_ok)
   // B holds four groups: tiles 0-7 (slots 0-15) those from the task's first,
   // tiles 8-15 those from the group of slot 16 (either way the tiles' groups
   // are among the four). Bit k of `writes`: tile k's group is this lane's t
