@@ -1,3 +1,5 @@
+// The build's CUDA architectures and the error of a GPU without kernels
+// (cuda_archs.h): what setup.py compiled for, and which GPUs that runs on.
 #include "cuda_archs.h"
 
 #include <sstream>

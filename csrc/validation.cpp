@@ -1,3 +1,6 @@
+// Input validation (validation.h): every argument checked on the host,
+// with a message naming it, the expected and the actual value, before any
+// kernel of any device runs; and the inputs made contiguous for the kernels.
 #include "validation.h"
 
 #include "plan/forward_plan.h"

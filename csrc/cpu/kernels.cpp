@@ -1,3 +1,6 @@
+// CPU kernels (kernels.h): the forward and backward loops over a range of
+// work items, one sample at a time through the shared bilinear sampler
+// (sampling.h), in the accumulation type of the dtype dispatch.
 #include "kernels.h"
 
 #include <c10/util/BFloat16.h>

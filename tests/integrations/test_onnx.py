@@ -211,3 +211,17 @@ def test_portable_export_of_a_whole_rt_detr(tmp_path):
         session = _session(path)
         for hw in [(160, 192), (128, 224)]:
             _outputs_close(session, detector, torch.randn(batch, 3, *hw, generator=g))
+
+
+def test_the_deployment_docs_export_example_runs(tmp_path, monkeypatch):
+    """docs/deployment.md's complete export example, as it stands there."""
+    pytest.importorskip("onnxruntime")
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "deployment.md").read_text()
+    block = re.search(r"<!-- example: onnx-layer -->\n```python\n(.*?)```", doc, re.S)
+    assert block, "docs/deployment.md lost its export example"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block.group(1), "docs/deployment.md", "exec"), {"__name__": "__doc_example__"})
+    assert (tmp_path / "msda_layer.onnx").exists()
