@@ -219,7 +219,10 @@ def test_the_deployment_docs_export_example_runs(tmp_path, monkeypatch):
     import pathlib
     import re
 
-    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "deployment.md").read_text()
+    path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "deployment.md"
+    if not path.exists():
+        pytest.skip("docs/ is the checkout's: run from the checkout")
+    doc = path.read_text()
     block = re.search(r"<!-- example: onnx-layer -->\n```python\n(.*?)```", doc, re.S)
     assert block, "docs/deployment.md lost its export example"
     monkeypatch.chdir(tmp_path)
