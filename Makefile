@@ -52,7 +52,7 @@ cpp: build
 
 aoti: build
 	@$(PYTHON) -c "import cmake" 2>/dev/null || command -v cmake >/dev/null || $(PYTHON) -m pip install -q $$($(PYTHON) scripts/extras.py cpp)
-	$(PYTHON) examples/aoti/export_detector.py --device cpu --out build-aoti
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) examples/aoti/export_detector.py --device cpu --out build-aoti
 	cmake -S examples/aoti -B build-aoti-cpp -DCMAKE_PREFIX_PATH="$$($(PYTHON) -m ms_deform_attn --cmake-prefix-path)"
 	cmake --build build-aoti-cpp -j
 	./build-aoti-cpp/aoti_detector build-aoti/model.pt2 build-aoti/io.pt

@@ -1,11 +1,15 @@
 """Build of ms_deform_attn: the operator library and its Python module.
 
-Two shared objects, both inside the package:
-  ms_deform_attn/lib/libms_deform_attn.so  the operator (schema, CPU and CUDA
-      kernels, autograd, autocast); links LibTorch only, no Python, so C++
-      programs use it through the CMake package (share/cmake);
+Three shared objects, all inside the package:
+  ms_deform_attn/lib/libms_deform_attn.so  the operator library (schemas,
+      queries, validation, CPU and CUDA kernels); links LibTorch only, no
+      Python;
+  ms_deform_attn/lib/libms_deform_attn_torch.so  the version-bound layer
+      over it (autograd, autocast, the public C++ API), from the sources in
+      ms_deform_attn/share/ms_deform_attn/src, which the CMake package builds
+      into C++ programs instead (share/cmake);
   ms_deform_attn/_C...so  the Python extension module: empty, links the
-      library (rpath $ORIGIN/lib), so that importing it registers the operator.
+      layer (rpath $ORIGIN/lib), so that importing it registers the operator.
 The CUDA sources are compiled when torch has CUDA and nvcc is found, or when
 FORCE_CUDA=1; otherwise the library is CPU-only. With FORCE_CUDA=1, no
 visible GPU and TORCH_CUDA_ARCH_LIST unset, the architectures default to
@@ -131,6 +135,8 @@ def library_header_dirs():
 
 
 LIB = "ms_deform_attn.lib.libms_deform_attn"  # built as ms_deform_attn/lib/libms_deform_attn.so
+LAYER = "ms_deform_attn.lib.libms_deform_attn_torch"  # ms_deform_attn/lib/libms_deform_attn_torch.so
+LAYER_SOURCES = os.path.join("ms_deform_attn", "share", "ms_deform_attn", "src")
 GENERATED = os.path.join(ROOT, "build", "generated")  # ms_deform_attn_build.h
 
 
@@ -180,11 +186,19 @@ def openmp_flag():
     return "-fopenmp"
 
 
+def torch_rpath():
+    """The run path to LibTorch's libraries (libc10, libtorch_cpu, ...): the
+    torch package beside this one (site-packages/torch/lib), or where the
+    torch it was built with lives. A C++ program's own run path does not
+    reach its libraries' dependencies."""
+    torch_lib = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")
+    return "-Wl,-rpath,$ORIGIN/../../torch/lib:" + torch_lib
+
+
 def library():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT)
                                  for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
-    sources = (rel("csrc/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp") + rel("csrc/autograd/*.cpp")
-               + rel("csrc/autocast/*.cpp"))
+    sources = rel("csrc/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp")
     cxx = ["-O3"]
     if os.environ.get("MSDA_DEBUG", "0") == "1":
         cxx = ["-O0", "-g"]
@@ -192,13 +206,13 @@ def library():
     # package beside this one (site-packages/torch/lib), or where the torch
     # it was built with lives: a C++ program's own run path does not reach
     # this library's dependencies.
-    torch_lib = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")
-    link = ["-Wl,-soname,libms_deform_attn.so", "-Wl,-rpath,$ORIGIN/../../torch/lib:" + torch_lib]
+    link = ["-Wl,-soname,libms_deform_attn.so", torch_rpath()]
     omp = openmp_flag()
     if omp:
         cxx.append(omp)
         link.append(omp)
-    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include"), GENERATED]
+    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include"), GENERATED,
+                    os.path.join(ROOT, LAYER_SOURCES)]  # calls.h
     cuda = want_cuda()
     if cuda and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
@@ -219,10 +233,27 @@ def library():
     return ext
 
 
+def torch_layer():
+    """The version-bound layer over the library: plain C++ against LibTorch
+    (no CUDA, no Python), linking the library (rpath $ORIGIN)."""
+    ext = CppExtension(LAYER, sorted(os.path.relpath(p, ROOT) for p in
+                                     glob.glob(os.path.join(ROOT, LAYER_SOURCES, "*.cpp"))),
+                       include_dirs=[os.path.join(ROOT, "ms_deform_attn", "include")],
+                       libraries=["ms_deform_attn"],
+                       extra_link_args=["-Wl,-soname,libms_deform_attn_torch.so",
+                                        "-Wl,--no-as-needed", "-Wl,-rpath,$ORIGIN",
+                                        torch_rpath()],
+                       extra_compile_args={"cxx": ["-O2", "-g0"]})
+    ext.libraries = [lib for lib in ext.libraries if lib != "torch_python"]
+    return ext
+
+
 def python_module():
-    # Plain (no torch libraries): all it does is load the library. Python's
-    # limited API (3.9 on): one build serves every Python (an abi3 module).
-    return Extension("ms_deform_attn._C", ["csrc/python/module.cpp"], libraries=["ms_deform_attn"],
+    # Plain (no torch libraries): all it does is load the layer and the
+    # library. Python's limited API (3.9 on): one build serves every Python
+    # (an abi3 module).
+    return Extension("ms_deform_attn._C", ["csrc/python/module.cpp"],
+                     libraries=["ms_deform_attn_torch", "ms_deform_attn"],
                      extra_link_args=["-Wl,-rpath,$ORIGIN/lib"], language="c++",
                      define_macros=[("Py_LIMITED_API", "0x03090000")], py_limited_api=True)
 
@@ -233,8 +264,9 @@ class Build(BuildExtension):
 
     def get_ext_filename(self, fullname):
         name = super().get_ext_filename(fullname)
-        if fullname.split(".")[-1] == LIB.split(".")[-1]:
-            return os.path.join(os.path.dirname(name), "libms_deform_attn.so")
+        for lib in (LIB, LAYER):
+            if fullname.split(".")[-1] == lib.split(".")[-1]:
+                return os.path.join(os.path.dirname(name), lib.split(".")[-1] + ".so")
         return name
 
     def run(self):
@@ -244,8 +276,8 @@ class Build(BuildExtension):
 
     def build_extension(self, ext):
         os.makedirs(os.path.dirname(self.get_ext_fullpath(ext.name)), exist_ok=True)
-        if ext.name == "ms_deform_attn._C":
-            ext.library_dirs = [os.path.dirname(self.get_ext_fullpath(LIB))]
+        if ext.name in ("ms_deform_attn._C", LAYER):
+            ext.library_dirs = list(ext.library_dirs) + [os.path.dirname(self.get_ext_fullpath(LIB))]
         super().build_extension(ext)
 
 
@@ -254,8 +286,9 @@ setup(
     # that setuptools ships them without warning.
     packages=find_namespace_packages(include=["ms_deform_attn", "ms_deform_attn.*"],
                                      exclude=["ms_deform_attn.lib", "ms_deform_attn.__pycache__"]),
-    package_data={"ms_deform_attn": ["include/ms_deform_attn/*.h", "share/cmake/ms_deform_attn/*.cmake"]},
-    ext_modules=[library(), python_module()],
+    package_data={"ms_deform_attn": ["include/ms_deform_attn/*.h", "share/cmake/ms_deform_attn/*.cmake",
+                                      "share/ms_deform_attn/src/*"]},
+    ext_modules=[library(), torch_layer(), python_module()],
     install_requires=[torch_pin()],
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},
     # The wheel's Python module uses the limited API; its library no Python.

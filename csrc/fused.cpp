@@ -3,14 +3,14 @@
 // registered for every backend (CompositeExplicitAutograd), forms the fp32
 // (fp64) locations and weights as tensors and calls ms_deform_attn; they
 // live only for that call. On CUDA the baseline kernel forms them itself
-// (cuda/msda_cuda.cpp). The autograd kernel (autograd/autograd.cpp) saves
+// (cuda/msda_cuda.cpp). The autograd kernel (share/ms_deform_attn/src/autograd.cpp) saves
 // the raw inputs.
 #include "fused.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "ops.h"
+#include "calls.h"  // share/ms_deform_attn/src: the typed dispatcher calls
 
 namespace msda {
 namespace {
@@ -229,6 +229,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_composite(
                                   deterministic);
 }
 
+// The backward with the reference points' gradient (its sums over heads
+// and points by ATen ops, on every device).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_ref_composite(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& reference_points,
+    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic) {
+  const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
+                                          sampling_offsets, attention_logits);
+  return fused_backward_formed(s, grad_output, value, spatial_shapes, level_start_index,
+                               reference_points, sampling_offsets, attention_logits,
+                               deterministic, /*ref_grad=*/true);
+}
+
 }  // namespace
 
 }  // namespace msda
@@ -239,4 +252,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_composite(
 TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
   m.impl("ms_deform_attn_fused", &msda::fused_forward_composite);
   m.impl("_ms_deform_attn_fused_backward", &msda::fused_backward_composite);
+  m.impl("_ms_deform_attn_fused_backward_ref", &msda::fused_backward_ref_composite);
 }

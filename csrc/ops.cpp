@@ -1,11 +1,10 @@
-// The operator's schemas, the backend queries, and the typed C++ API of the
-// public header. Kernels are registered per dispatch key in cpu/, cuda/,
-// autograd/ and autocast/; _linear's forward, at::linear, here.
+// The operator's schemas and the backend queries. Kernels are registered
+// per dispatch key in cpu/, cuda/ and fused.cpp (_linear's forward,
+// at::linear, here); autograd, autocast and the public C++ API are the
+// version-bound layer's (ms_deform_attn/share/ms_deform_attn/src/).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
-
-#include "ops.h"
 
 #include "backend_queries.h"
 #include "cuda_archs.h"
@@ -14,69 +13,6 @@
 #include "validation.h"
 
 namespace msda {
-
-at::Tensor call_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                        const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                        const at::Tensor& attention_weights, c10::string_view backend,
-                        std::optional<bool> deterministic,
-                        at::OptionalIntArrayRef spatial_shapes_list) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn", "")
-                       .typed<decltype(call_forward)>();
-  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                 backend, deterministic, spatial_shapes_list);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(
-    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
-    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-    const at::Tensor& attention_weights, bool deterministic) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::_ms_deform_attn_backward", "")
-                       .typed<decltype(call_backward)>();
-  return op.call(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-                 attention_weights, deterministic);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> call_fused_backward(
-    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
-    const at::Tensor& level_start_index, const at::Tensor& reference_points,
-    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::_ms_deform_attn_fused_backward", "")
-                       .typed<decltype(call_fused_backward)>();
-  return op.call(grad_output, value, spatial_shapes, level_start_index, reference_points,
-                 sampling_offsets, attention_logits, deterministic);
-}
-
-at::Tensor call_linear(const at::Tensor& input, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::_linear", "")
-                       .typed<decltype(call_linear)>();
-  return op.call(input, weight, bias);
-}
-
-at::Tensor call_column_sum(const at::Tensor& grad) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::_column_sum", "")
-                       .typed<decltype(call_column_sum)>();
-  return op.call(grad);
-}
-
-at::Tensor call_fused_forward(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                              const at::Tensor& level_start_index,
-                              const at::Tensor& reference_points,
-                              const at::Tensor& sampling_offsets,
-                              const at::Tensor& attention_logits, c10::string_view backend,
-                              std::optional<bool> deterministic,
-                              at::OptionalIntArrayRef spatial_shapes_list) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("ms_deform_attn::ms_deform_attn_fused", "")
-                       .typed<decltype(call_fused_forward)>();
-  return op.call(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
-                 attention_logits, backend, deterministic, spatial_shapes_list);
-}
 
 namespace {
 
@@ -200,6 +136,12 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "_ms_deform_attn_fused_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
       "Tensor level_start_index, Tensor reference_points, Tensor sampling_offsets, "
       "Tensor attention_logits, bool deterministic=False) -> (Tensor, Tensor, Tensor)");
+  // The same and the reference points' gradient last (ATen ops, fused.cpp).
+  m.def(
+      "_ms_deform_attn_fused_backward_ref(Tensor grad_output, Tensor value, "
+      "Tensor spatial_shapes, Tensor level_start_index, Tensor reference_points, "
+      "Tensor sampling_offsets, Tensor attention_logits, bool deterministic=False) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   // The attention layers' linears: at::linear, with a backward whose bias
   // gradient is _column_sum (torch's sum over the rows of a tall, narrow
   // gradient runs far below the copy rate). Not for general use.
@@ -246,7 +188,8 @@ TORCH_LIBRARY(ms_deform_attn, m) {
 }
 
 // _linear's forward on every device: torch's linear. What differs from it is
-// its autograd (autograd/autograd.cpp), whose bias gradient is _column_sum.
+// its autograd (share/ms_deform_attn/src/autograd.cpp), whose bias gradient
+// is _column_sum.
 TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
   m.impl("_linear", [](const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
@@ -254,53 +197,6 @@ TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
   });
 }
 
-// ---- the public C++ API (ms_deform_attn/ms_deform_attn.h) ----------------------
+// The library's version (MS_DEFORM_ATTN_VERSION of its build), for the
+// loaders (the Python module) and C++ programs.
 extern "C" const char* ms_deform_attn_library_version(void) { return MS_DEFORM_ATTN_VERSION; }
-
-namespace ms_deform_attn {
-
-at::Tensor ms_deform_attn(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                          const at::Tensor& level_start_index,
-                          const at::Tensor& sampling_locations,
-                          const at::Tensor& attention_weights, const std::string& backend,
-                          std::optional<bool> deterministic,
-                          at::OptionalIntArrayRef spatial_shapes_list) {
-  return msda::call_forward(value, spatial_shapes, level_start_index, sampling_locations,
-                            attention_weights, backend, deterministic, spatial_shapes_list);
-}
-
-at::Tensor ms_deform_attn_fused(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                const at::Tensor& level_start_index,
-                                const at::Tensor& reference_points,
-                                const at::Tensor& sampling_offsets,
-                                const at::Tensor& attention_logits, const std::string& backend,
-                                std::optional<bool> deterministic,
-                                at::OptionalIntArrayRef spatial_shapes_list) {
-  return msda::call_fused_forward(value, spatial_shapes, level_start_index, reference_points,
-                                  sampling_offsets, attention_logits, backend, deterministic,
-                                  spatial_shapes_list);
-}
-
-std::vector<std::string> available_backends(c10::Device device) {
-  return msda::available_backends(device);
-}
-
-std::string select_backend(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                           const at::Tensor& level_start_index,
-                           const at::Tensor& sampling_locations,
-                           const at::Tensor& attention_weights,
-                           at::OptionalIntArrayRef spatial_shapes_list) {
-  return msda::select(value, spatial_shapes, level_start_index, sampling_locations,
-                      attention_weights, spatial_shapes_list);
-}
-
-std::string backend_reason(const std::string& backend, const at::Tensor& value,
-                           const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                           const at::Tensor& sampling_locations,
-                           const at::Tensor& attention_weights,
-                           at::OptionalIntArrayRef spatial_shapes_list) {
-  return msda::reason(value, spatial_shapes, level_start_index, sampling_locations,
-                      attention_weights, backend, spatial_shapes_list);
-}
-
-}  // namespace ms_deform_attn

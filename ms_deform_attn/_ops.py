@@ -346,6 +346,16 @@ def _fused_backward_fake(grad_output, value, spatial_shapes, level_start_index, 
     )
 
 
+@torch.library.register_fake("ms_deform_attn::_ms_deform_attn_fused_backward_ref")
+def _fused_backward_ref_fake(grad_output, value, spatial_shapes, level_start_index,
+                             reference_points, sampling_offsets, attention_logits,
+                             deterministic=False):
+    return _fused_backward_fake(grad_output, value, spatial_shapes, level_start_index,
+                                reference_points, sampling_offsets, attention_logits,
+                                deterministic) + (
+        torch.empty_like(reference_points, memory_format=torch.contiguous_format),)
+
+
 @torch.library.register_fake("ms_deform_attn::ms_deform_attn_fused")
 def _fused_fake(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
                 attention_logits, backend="auto", deterministic=None, spatial_shapes_list=None):

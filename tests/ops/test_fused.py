@@ -129,6 +129,11 @@ def test_fused_opcheck(device, backend):
     torch.library.opcheck(torch.ops.ms_deform_attn.ms_deform_attn_fused.default,
                           (value, shapes, start, ref, off, logits, backend, None,
                            [x for hw in LEVELS for x in hw]))
+    # The backward with the reference points' gradient (its autograd calls it).
+    grad = torch.randn(2, 9, 4 * 16, device=device)
+    torch.library.opcheck(torch.ops.ms_deform_attn._ms_deform_attn_fused_backward_ref.default,
+                          tuple(t.detach() for t in (grad, value, shapes, start, ref, off, logits))
+                          + (False,), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("device,backend", device_backends())

@@ -5,9 +5,13 @@
 #
 # Point CMAKE_PREFIX_PATH at `python -m ms_deform_attn --cmake-prefix-path`
 # (which also names the torch the library was built against: Torch is found
-# as a dependency, with the CUDA toolkit it needs located below). The
-# imported target carries the public header (ms_deform_attn/ms_deform_attn.h)
-# and links LibTorch.
+# as a dependency, with the CUDA toolkit it needs located below). The target
+# carries the public header (ms_deform_attn/ms_deform_attn.h), links the
+# operator library (lib/libms_deform_attn.so: kernels, schemas, queries) and
+# LibTorch, and the version-bound layer over it: autograd, autocast and the
+# C++ API, built here from the package's sources
+# (share/ms_deform_attn/src) against the LibTorch the program uses, as the
+# shared library ms_deform_attn_torch of the program's own build.
 include(CMakeFindDependencyMacro)
 
 # A CUDA build of torch makes find_package(Torch) look for the CUDA toolkit
@@ -93,16 +97,53 @@ set(_msda_link "${TORCH_LIBRARIES}")
 if(EXISTS "${TORCH_INSTALL_PREFIX}/lib/libc10_cuda.so")
   list(APPEND _msda_link "-Wl,--no-as-needed,${TORCH_INSTALL_PREFIX}/lib/libc10_cuda.so" "-Wl,--as-needed")
 endif()
-if(NOT TARGET ms_deform_attn::ms_deform_attn)
-  add_library(ms_deform_attn::ms_deform_attn SHARED IMPORTED)
-  set_target_properties(ms_deform_attn::ms_deform_attn PROPERTIES
+if(NOT TARGET ms_deform_attn::operators)
+  add_library(ms_deform_attn::operators SHARED IMPORTED)
+  set_target_properties(ms_deform_attn::operators PROPERTIES
     IMPORTED_LOCATION "${_msda_library}"
     IMPORTED_SONAME "libms_deform_attn.so"
     INTERFACE_INCLUDE_DIRECTORIES "${_msda_prefix}/include"
     INTERFACE_LINK_LIBRARIES "${_msda_link}"
     INTERFACE_COMPILE_OPTIONS "${TORCH_CXX_FLAGS}")
 endif()
+# The version-bound layer: its sources in the installed package, or in the
+# checkout for an in-place build.
+set(_msda_layer_dir "${_msda_prefix}/share/ms_deform_attn/src")
+file(GLOB _msda_layer_sources "${_msda_layer_dir}/*.cpp")
+if(NOT _msda_layer_sources)
+  set(ms_deform_attn_FOUND FALSE)
+  set(ms_deform_attn_NOT_FOUND_MESSAGE "${_msda_layer_dir} holds no sources: reinstall the package")
+  return()
+endif()
+if(NOT TARGET ms_deform_attn_torch)
+  add_library(ms_deform_attn_torch SHARED ${_msda_layer_sources})
+  target_include_directories(ms_deform_attn_torch PRIVATE "${_msda_layer_dir}")
+  target_link_libraries(ms_deform_attn_torch PUBLIC ms_deform_attn::operators)
+  # The C++ standard the LibTorch found asks for (TorchConfig.cmake sets it on
+  # its torch target: 20 in recent releases), else 17.
+  set(_msda_std 17)
+  if(TARGET torch)
+    get_target_property(_msda_torch_std torch CXX_STANDARD)
+    if(_msda_torch_std)
+      set(_msda_std ${_msda_torch_std})
+    endif()
+  endif()
+  set_target_properties(ms_deform_attn_torch PROPERTIES CXX_STANDARD ${_msda_std}
+                                                        CXX_STANDARD_REQUIRED ON)
+endif()
+if(NOT TARGET ms_deform_attn::ms_deform_attn)
+  add_library(ms_deform_attn::ms_deform_attn INTERFACE IMPORTED)
+  # Linked even where the program calls none of its functions: its static
+  # initialisers register the autograd and autocast kernels.
+  set_target_properties(ms_deform_attn::ms_deform_attn PROPERTIES
+    INTERFACE_LINK_LIBRARIES
+      "ms_deform_attn_torch;-Wl,--no-as-needed,$<TARGET_FILE:ms_deform_attn_torch>;-Wl,--as-needed;ms_deform_attn::operators")
+endif()
 set(ms_deform_attn_LIBRARY "${_msda_library}")
 unset(_msda_library)
 unset(_msda_link)
 unset(_msda_prefix)
+unset(_msda_layer_dir)
+unset(_msda_layer_sources)
+unset(_msda_std)
+unset(_msda_torch_std)

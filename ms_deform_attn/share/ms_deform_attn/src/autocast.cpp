@@ -2,12 +2,13 @@
 // comes (the projection that made it already ran in the autocast dtype) and
 // sampling locations / attention weights in float32, whatever dtype they
 // arrive in. Any mix of input dtypes a model produces under autocast is
-// thereby one the kernels accept, and locations keep fp32 precision.
+// thereby one the kernels accept, and locations keep fp32 precision. Part of
+// the version-bound layer (autograd.cpp says what that is).
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
-#include "../ops.h"
+#include "calls.h"
 
 namespace msda {
 namespace {

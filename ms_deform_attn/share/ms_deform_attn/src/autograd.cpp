@@ -4,12 +4,16 @@
 // backward calls _ms_deform_attn_backward. That op's own Autograd kernel
 // refuses double backward with a clear error. The fused operator's saves
 // its raw inputs instead of the locations and weights.
+//
+// Part of the version-bound layer (with autocast.cpp and api.cpp): built
+// against the LibTorch it runs with, into libms_deform_attn_torch.so for
+// Python (setup.py) and into a C++ program by the CMake package, over the
+// operator library, which it calls through the dispatcher only.
 #include <ATen/Context.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "../fused.h"
-#include "../ops.h"
+#include "calls.h"
 
 namespace msda {
 namespace {
@@ -88,9 +92,8 @@ class FusedFunction : public torch::autograd::Function<FusedFunction> {
     at::Tensor grad_value, grad_ref, grad_off, grad_logits;
     if (ctx->needs_input_grad(3)) {
       // The reference points' gradient sums over heads and points: ATen ops.
-      const FusedSizes s = check_fused_inputs(value, shapes, ref, off, logits);
-      std::tie(grad_value, grad_off, grad_logits, grad_ref) = fused_backward_formed(
-          s, grads[0], value, shapes, start, ref, off, logits, deterministic, /*ref_grad=*/true);
+      std::tie(grad_value, grad_off, grad_logits, grad_ref) = call_fused_backward_with_ref(
+          grads[0], value, shapes, start, ref, off, logits, deterministic);
     } else {
       std::tie(grad_value, grad_off, grad_logits) =
           call_fused_backward(grads[0], value, shapes, start, ref, off, logits, deterministic);

@@ -1,0 +1,78 @@
+// The public C++ API (ms_deform_attn/ms_deform_attn.h): the operators and the
+// backend queries through the dispatcher, so that a LibTorch program gets
+// every registered kernel (autograd, autocast, CPU, CUDA). Part of the
+// version-bound layer (autograd.cpp says what that is).
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/version.h>
+
+#include "calls.h"
+#include "ms_deform_attn/ms_deform_attn.h"
+
+namespace ms_deform_attn {
+namespace {
+
+using QuerySig = std::string(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, at::OptionalIntArrayRef);
+using ReasonSig = std::string(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, const at::Tensor&, c10::string_view,
+                              at::OptionalIntArrayRef);
+using BackendsSig = std::vector<std::string>(c10::Device);
+
+}  // namespace
+
+at::Tensor ms_deform_attn(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                          const at::Tensor& level_start_index,
+                          const at::Tensor& sampling_locations,
+                          const at::Tensor& attention_weights, const std::string& backend,
+                          std::optional<bool> deterministic,
+                          at::OptionalIntArrayRef spatial_shapes_list) {
+  return msda::call_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                            attention_weights, backend, deterministic, spatial_shapes_list);
+}
+
+at::Tensor ms_deform_attn_fused(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                const at::Tensor& level_start_index,
+                                const at::Tensor& reference_points,
+                                const at::Tensor& sampling_offsets,
+                                const at::Tensor& attention_logits, const std::string& backend,
+                                std::optional<bool> deterministic,
+                                at::OptionalIntArrayRef spatial_shapes_list) {
+  return msda::call_fused_forward(value, spatial_shapes, level_start_index, reference_points,
+                                  sampling_offsets, attention_logits, backend, deterministic,
+                                  spatial_shapes_list);
+}
+
+std::vector<std::string> available_backends(c10::Device device) {
+  static const auto op = msda::typed_op<BackendsSig>("ms_deform_attn::_available_backends");
+  return op.call(device);
+}
+
+std::string select_backend(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                           const at::Tensor& level_start_index,
+                           const at::Tensor& sampling_locations,
+                           const at::Tensor& attention_weights,
+                           at::OptionalIntArrayRef spatial_shapes_list) {
+  static const auto op = msda::typed_op<QuerySig>("ms_deform_attn::_select_backend");
+  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                 spatial_shapes_list);
+}
+
+std::string backend_reason(const std::string& backend, const at::Tensor& value,
+                           const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                           const at::Tensor& sampling_locations,
+                           const at::Tensor& attention_weights,
+                           at::OptionalIntArrayRef spatial_shapes_list) {
+  static const auto op = msda::typed_op<ReasonSig>("ms_deform_attn::_backend_reason");
+  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                 backend, spatial_shapes_list);
+}
+
+}  // namespace ms_deform_attn
+
+// What the Python module links to load this layer (and the operator
+// library under it): the torch release it was compiled against.
+#define MSDA_STR2(x) #x
+#define MSDA_STR(x) MSDA_STR2(x)
+extern "C" MS_DEFORM_ATTN_API const char* ms_deform_attn_torch_layer_built_for(void) {
+  return MSDA_STR(TORCH_VERSION_MAJOR) "." MSDA_STR(TORCH_VERSION_MINOR);
+}
