@@ -75,6 +75,35 @@ def _pick_cxx():
         os.environ["CXX"] = "/usr/bin/g++"
 
 
+def _check_wheel_support():
+    """pip builds a wheel (bdist_wheel) even for a plain install: a setuptools
+    older than 70.1 without the `wheel` package stops there with "invalid
+    command 'bdist_wheel'", after nothing tells what to install. Say it
+    before compiling anything."""
+    import sys
+
+    if "bdist_wheel" not in sys.argv:
+        return
+    try:
+        from setuptools.command.bdist_wheel import bdist_wheel  # noqa: F401  (setuptools >= 70.1)
+        return
+    except ImportError:
+        pass
+    try:
+        import wheel.bdist_wheel  # noqa: F401  (the `wheel` package, for older setuptools)
+        return
+    except ImportError:
+        pass
+    import setuptools
+    raise SystemExit(
+        f"ms_deform_attn: building a wheel (what pip install does) needs setuptools 70.1 or newer, "
+        f"or the `wheel` package beside an older one; this environment has setuptools "
+        f"{setuptools.__version__} and no `wheel`. Install one of them, then build again:\n"
+        "    pip install 'setuptools>=70.1'      # or: pip install wheel\n"
+        "    pip install --no-build-isolation .")
+
+
+_check_wheel_support()
 _find_cuda_home()
 _pick_cxx()
 
