@@ -178,6 +178,91 @@ def symbolic_sizes():
             module.torch_int = torch_int
 
 
+def _is_dynamic(marker) -> bool:
+    """Whether a dimension's entry of `dynamic_shapes` asks for a dynamic
+    size: a named Dim, Dim.AUTO or Dim.DYNAMIC (not None, an int or
+    Dim.STATIC)."""
+    return not (marker is None or isinstance(marker, int) or marker is torch.export.Dim.STATIC)
+
+
+def _enlarged(value, spec, grown):
+    """`value` (a tensor or a container of them) with every dimension that
+    `spec` marks dynamic and that has size 1 doubled (the data repeated), so
+    that torch.export does not make it the constant 1; records what it grew
+    in `grown`."""
+    if isinstance(value, torch.Tensor):
+        if isinstance(spec, dict):
+            dims = spec.items()
+        elif isinstance(spec, (list, tuple)):
+            dims = enumerate(spec)
+        else:
+            return value
+        for dim, marker in dims:
+            if _is_dynamic(marker) and value.size(dim) == 1:
+                value = torch.cat([value, value], dim)
+                grown.append(getattr(marker, "__name__", str(marker)))
+        return value
+    if isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)) and len(spec) == len(value):
+        return type(value)(_enlarged(v, s, grown) for v, s in zip(value, spec))
+    if isinstance(value, dict) and isinstance(spec, dict):
+        return {k: _enlarged(v, spec.get(k), grown) for k, v in value.items()}
+    return value
+
+
+def export_example(model: torch.nn.Module, args: tuple, kwargs: Dict[str, Any] | None,
+                   dynamic_shapes):
+    """The example export_onnx traces: `args` and `kwargs` with every
+    dimension that `dynamic_shapes` marks dynamic and that has size 1 doubled.
+    torch.export makes a dimension of size 1 a constant (a batch-1 example
+    would fix the graph's batch at 1, or fail with a named Dim); the doubled
+    example leaves it symbolic, and the model's result for it is the same
+    computation. Returns (args, kwargs, the markers it grew)."""
+    kwargs = dict(kwargs or {})
+    if dynamic_shapes is None:
+        return tuple(args), kwargs, []
+    grown: list = []
+    if isinstance(dynamic_shapes, dict):
+        import inspect
+
+        names = list(inspect.signature(model.forward).parameters)
+        args = tuple(_enlarged(a, dynamic_shapes.get(names[i]) if i < len(names) else None, grown)
+                     for i, a in enumerate(args))
+        kwargs = {k: _enlarged(v, dynamic_shapes.get(k), grown) for k, v in kwargs.items()}
+    else:
+        specs = list(dynamic_shapes)
+        args = tuple(_enlarged(a, specs[i] if i < len(specs) else None, grown)
+                     for i, a in enumerate(args))
+        rest = specs[len(args):]
+        kwargs = {k: _enlarged(v, rest[i] if i < len(rest) else None, grown)
+                  for i, (k, v) in enumerate(kwargs.items())}
+    return args, kwargs, grown
+
+
+def output_names(program) -> list:
+    """Names for the exported program's outputs, from the model's output
+    structure: a transformers ModelOutput's fields (`last_hidden_state`,
+    `encoder_last_hidden_state`, ...), a dict's keys, `output` for a lone
+    tensor, `output_<i>` in a tuple; nested items joined by `_`."""
+    from torch.utils import _pytree as pytree
+
+    spec = program.call_spec.out_spec
+    structure = pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    names, seen = [], set()
+    for path, _ in pytree.tree_flatten_with_path(structure)[0]:
+        parts = []
+        for key in path:
+            part = getattr(key, "key", getattr(key, "name", getattr(key, "idx", key)))
+            parts.append(str(part))
+        name = "_".join(parts) or "output"
+        if not (name[0].isalpha() or name[0] == "_"):
+            name = "output_" + name
+        while name in seen:
+            name += "_"
+        seen.add(name)
+        names.append(name)
+    return names
+
+
 def _our_nodes(program):
     ours = set(_ops())
     return [n for n in program.graph.nodes if n.op == "call_function" and n.target in ours]
@@ -189,13 +274,19 @@ def export_onnx(model: torch.nn.Module, args: tuple, f=None, *, target: str = "p
     ("portable" or "tensorrt", see the module's docstring) through
     torch.export (`dynamic_shapes` as torch.export.export takes it) and
     torch.onnx.export(..., dynamo=True); writes `f` when given and returns
-    the ONNXProgram. Raises ValueError for an unknown target, a model that
-    calls neither operator, and, for "tensorrt", a value dtype the plugin
-    does not take."""
+    the ONNXProgram. A dimension marked dynamic keeps dynamic whatever its
+    size in the example (one of size 1 is traced doubled: export_example);
+    a request torch.export cannot meet raises its error naming the
+    dimension. The graph's outputs are named from the model's output
+    structure (output_names; `output_names=[...]` overrides). Raises
+    ValueError for an unknown target, a model that calls neither operator,
+    and, for "tensorrt", a value dtype the plugin does not take."""
     if target not in TARGETS:
         raise ValueError(f"export_onnx: target must be one of {TARGETS}, got {target!r}")
+    args, kwargs, _ = export_example(model, args, kwargs, dynamic_shapes)
     with symbolic_sizes() if dynamic_shapes is not None else contextlib.nullcontext():
         program = torch.export.export(model, tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes)
+    export_kwargs.setdefault("output_names", output_names(program))
     nodes = _our_nodes(program)
     if not nodes:
         raise ValueError(

@@ -133,6 +133,61 @@ def test_portable_export_of_the_layer(tmp_path):
         _close(_run(_session(path), inputs), layer(*inputs))
 
 
+@pytest.mark.parametrize("marker", ["named", "auto"])
+def test_a_batch_of_one_exports_a_dynamic_batch(marker, tmp_path):
+    """A batch-1 example with a dynamic batch (a named Dim, or Dim.AUTO)
+    exports a graph that runs at batch 3: the dimension is traced doubled
+    instead of made the constant 1."""
+    from ms_deform_attn.nn import MSDeformAttn
+
+    torch.manual_seed(0)
+    layer = MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2).eval()
+    shapes, start = level_tensors([(6, 5), (3, 3)], "cpu")
+
+    def inputs(n):
+        return (torch.randn(n, 10, 32), torch.rand(n, 10, 2, 2), torch.randn(n, 39, 32), shapes, start)
+
+    batch = torch.export.Dim("batch") if marker == "named" else torch.export.Dim.AUTO
+    path = tmp_path / "layer.onnx"
+    export_onnx(layer, inputs(1), str(path), dynamic_shapes=({0: batch}, {0: batch}, {0: batch}, None, None))
+    session = _session(path)
+    for n in (3, 1):
+        args = inputs(n)
+        with torch.no_grad():
+            _close(_run(session, args), layer(*args))
+
+
+def test_outputs_are_named_from_the_model(tmp_path):
+    """The graph's outputs carry the names of the model's output structure
+    (a dict's keys, nested ones joined, output_<i> in a tuple, `output`
+    alone); output_names overrides them."""
+
+    class Head(torch.nn.Module):
+        def __init__(self, kind):
+            super().__init__()
+            self.kind = kind
+
+        def forward(self, value, shapes, start, loc, attn):
+            out = msda.ms_deform_attn(value, shapes, start, loc, attn)
+            if self.kind == "nested":
+                return {"last_hidden_state": out, "hidden_states": (out * 2,)}
+            if self.kind == "dict":
+                return {"boxes": out, "scores": out.sum(-1)}
+            if self.kind == "tuple":
+                return out, out + 1
+            return out
+
+    inputs = _problem(2, 7, [(4, 5), (2, 3)])
+    expected = {"nested": ["last_hidden_state", "hidden_states_0"], "dict": ["boxes", "scores"],
+                "tuple": ["output_0", "output_1"], "tensor": ["output"]}
+    for kind, names in expected.items():
+        path = tmp_path / f"{kind}.onnx"
+        export_onnx(Head(kind).eval(), inputs, str(path))
+        assert [o.name for o in onnx.load(str(path)).graph.output] == names, kind
+    export_onnx(Head("tuple").eval(), inputs, str(path), output_names=["a", "b"])
+    assert [o.name for o in onnx.load(str(path)).graph.output] == ["a", "b"]
+
+
 def _outputs_close(session, detector, pixels):
     feeds = {session.get_inputs()[0].name: pixels.numpy()}
     with torch.no_grad():
