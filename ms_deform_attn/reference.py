@@ -54,9 +54,11 @@ def ms_deform_attn_gather(
     sampling_locations: torch.Tensor,
     attention_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """The same operator written with gathers and elementwise ops only (no
-    grid_sample, no host reads of the level shapes): what the portable ONNX
-    export (ms_deform_attn.onnx) becomes. Coordinates and sums in float32
+    """The same operator written with one gather, elementwise ops and one
+    batched matrix product (no grid_sample, no host reads of the level
+    shapes): what the portable ONNX export (ms_deform_attn.onnx) becomes.
+    A corner outside the map adds zero (its weight), its index kept inside
+    value. Coordinates and sums in float32
     (float64 for float64 values), corners outside the map add zero, a sample
     with a non-finite location or weight makes its (query, head) row NaN, as
     the operator does. Shape-polymorphic: batch, queries and level sizes may
@@ -77,20 +79,36 @@ def ms_deform_attn_gather(
     y = torch.where(finite, y, torch.zeros_like(y))
     x0, y0 = torch.floor(x), torch.floor(y)
     fx, fy = x - x0, y - y0
+    x1, y1 = x0 + 1, y0 + 1
+
+    def inside(c, size):  # 1 where corner coordinate c lies in [0, size - 1], else 0
+        return ((c >= 0) & (c <= size - 1)).to(acc)
+
+    # Corner weights, zero outside the map: corners (x0, y0), (x1, y0),
+    # (x0, y1), (x1, y1).
+    ax0, ax1 = (1 - fx) * inside(x0, w), fx * inside(x1, w)
+    ay0, ay1 = (1 - fy) * inside(y0, h) * a, fy * inside(y1, h) * a
+    scale = torch.stack([ax0 * ay0, ax1 * ay0, ax0 * ay1, ax1 * ay1], dim=4)  # (N, Lq, M, L, 4, P)
+
+    def as_index(c):  # scalar bounds: past any level's side, small enough for int64 sums
+        return torch.clamp(c, -1, 2 ** 30).to(torch.int64)
+
+    px0, px1 = as_index(x0), as_index(x1)
     # value rows of (n, m): value as (N, M, S, D) flattened, row (n M + m) S + pixel.
-    rows = value.transpose(1, 2).reshape(n * m * s, d)
     nm = (torch.arange(n, device=value.device).view(n, 1, 1, 1, 1) * m
           + torch.arange(m, device=value.device).view(1, 1, m, 1, 1)) * s
-    out = torch.zeros(n, lq, m, d, dtype=acc, device=value.device)
-    for dy, dx, weight in ((0, 0, (1 - fx) * (1 - fy)), (0, 1, fx * (1 - fy)),
-                           (1, 0, (1 - fx) * fy), (1, 1, fx * fy)):
-        cx, cy = x0 + dx, y0 + dy
-        inside = (cx >= 0) & (cx <= w - 1) & (cy >= 0) & (cy <= h - 1)
-        pixel = cy.clamp(min=0).to(torch.int64) * wi + cx.clamp(min=0).to(torch.int64)
-        index = torch.where(inside, nm + start + pixel, torch.zeros_like(pixel))
-        corner = rows[index.reshape(-1)].to(acc).view(n, lq, m, n_levels * n_points, d)
-        scale = torch.where(inside, weight * a, torch.zeros_like(a)).view(n, lq, m, n_levels * n_points, 1)
-        out = out + (corner * scale).sum(3)
+    row0 = nm + start + as_index(y0) * wi
+    row1 = nm + start + as_index(y1) * wi
+    # A corner outside the map points at another pixel or none (weight 0):
+    # the index is kept inside value, and the weight does the rest.
+    index = torch.stack([row0 + px0, row0 + px1, row1 + px0, row1 + px1], dim=4)
+    index = index.clamp(min=0).minimum(torch.full_like(index, n * m * s - 1))
+    # Every sample's four corner rows in one gather, summed by one batched
+    # matrix product: (N Lq M, 1, L 4 P) x (N Lq M, L 4 P, D).
+    k = 4 * n_levels * n_points
+    rows = value.transpose(1, 2).reshape(n * m * s, d)
+    corners = rows.index_select(0, index.reshape(-1)).to(acc).view(n * lq * m, k, d)
+    out = torch.bmm(scale.reshape(n * lq * m, 1, k), corners).view(n, lq, m, d)
     bad_row = (~finite).flatten(3).any(-1, keepdim=True)  # (N, Lq, M, 1)
     out = torch.where(bad_row, torch.full_like(out, float("nan")), out)
     return out.reshape(n, lq, m * d).to(value.dtype)
