@@ -6,8 +6,9 @@ program examples/aoti/main.cpp (scripts/gpu_check.sh, stage deploy).
     python -m benchmarks.deployment [--size 512x512] [--onnx model.onnx]
 
 Prints one Markdown row per path that runs here: eager on the CPU and, with
-a GPU, on CUDA; ONNX Runtime on the CPU, and with the CUDA provider where
-this onnxruntime has it. Median of --runs calls after warm-up, inputs
+a GPU, on CUDA; OpenVINO on the CPU (f32, compile_openvino) where it is
+installed; ONNX Runtime on the CPU, and with the CUDA provider where this
+onnxruntime has it. Median of --runs calls after warm-up, inputs
 already on the device, synchronised. Without --onnx the model is exported
 here (needs the onnx extra).
 """
@@ -62,13 +63,25 @@ def main():
     except ImportError:
         ort = None
         print("onnxruntime is not installed: no ONNX Runtime rows", file=sys.stderr)
+    try:
+        import openvino
+    except ImportError:
+        openvino = None
+        print("openvino is not installed: no OpenVINO row", file=sys.stderr)
     with tempfile.TemporaryDirectory() as scratch:  # the export, removed after its rows
+        path = args.onnx
+        if path is None and (ort is not None or openvino is not None):
+            from ms_deform_attn.onnx import export_onnx
+            path = os.path.join(scratch, "detector.onnx")
+            export_onnx(detector, (pixels,), path)
+        if openvino is not None:
+            from ms_deform_attn.onnx import compile_openvino
+            compiled = compile_openvino(path)  # f32 inference precision, as documented
+            got = torch.from_numpy(compiled([pixels.numpy()])[compiled.outputs[0]]).double()
+            err = float((got - expected).norm() / expected.norm())
+            rows.append((f"OpenVINO {openvino.__version__.split('-')[0]} (error {err:.1e})", "CPU",
+                         median_ms(lambda: compiled([pixels.numpy()]), args.runs)))
         if ort is not None:
-            path = args.onnx
-            if path is None:
-                from ms_deform_attn.onnx import export_onnx
-                path = os.path.join(scratch, "detector.onnx")
-                export_onnx(detector, (pixels,), path)
             for provider in ("CPUExecutionProvider", "CUDAExecutionProvider"):
                 if provider not in ort.get_available_providers():
                     print(f"onnxruntime has no {provider}", file=sys.stderr)

@@ -4,7 +4,8 @@
   operators only (gathers and elementwise ops, no GridSample, no plugin),
   as `reference.ms_deform_attn_gather` computes it: fp32 coordinate math,
   zero padding, corners outside the map adding nothing, non-finite samples
-  poisoning their row. ONNX Runtime, TensorRT and OpenVINO run it as it is;
+  poisoning their row. ONNX Runtime, TensorRT and OpenVINO run it as it is
+  (OpenVINO with f32 inference precision: compile_openvino);
   batch, queries and image size may change between runs of one file when
   the export marks them dynamic (`dynamic_shapes`, as torch.export takes;
   `symbolic_sizes` keeps transformers' detectors' level sizes symbolic).
@@ -261,6 +262,28 @@ def output_names(program) -> list:
         seen.add(name)
         names.append(name)
     return names
+
+
+# OpenVINO compiles a graph in the precision its device prefers unless told
+# otherwise: bf16 on CPUs with bf16 units (AMX, AVX512-BF16), f16 on its GPU
+# plugin. In the portable graph that rounds the pixel coordinates (the
+# location times the level's width) to an 8- or 11-bit mantissa, which loses
+# their fraction on any level wider than a few hundred pixels. This setting
+# keeps every operation in f32.
+OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
+
+
+def compile_openvino(model, device: str = "CPU", config: Dict[str, Any] | None = None):
+    """A portable export (a path or an openvino.Model) compiled by OpenVINO
+    with OPENVINO_CONFIG (f32 inference precision; `config` adds to it or
+    overrides it): what gives the operator's results on every OpenVINO
+    device. Needs the `openvino` package (the onnx extra)."""
+    import openvino as ov
+
+    settings = dict(OPENVINO_CONFIG)
+    settings.update(config or {})
+    return ov.Core().compile_model(str(model) if not isinstance(model, ov.Model) else model,
+                                   device, settings)
 
 
 def _our_nodes(program):

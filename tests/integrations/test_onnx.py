@@ -188,6 +188,62 @@ def test_outputs_are_named_from_the_model(tmp_path):
     assert [o.name for o in onnx.load(str(path)).graph.output] == ["a", "b"]
 
 
+def _openvino(path):
+    """The export compiled by OpenVINO on the CPU: with its defaults where they
+    compute in f32 (a CPU without bf16 or f16 units), and always with the
+    documented configuration (ms_deform_attn.onnx.compile_openvino)."""
+    ov = pytest.importorskip("openvino")
+    from ms_deform_attn.onnx import compile_openvino
+
+    core = ov.Core()
+    compiled = [compile_openvino(path)]
+    if str(core.get_property("CPU", "INFERENCE_PRECISION_HINT")) in ("<Type: 'float32'>", "f32"):
+        compiled.append(core.compile_model(str(path), "CPU"))
+    for c in compiled:
+        assert "32" in str(c.get_property("INFERENCE_PRECISION_HINT"))
+    return compiled
+
+
+class _OpenVINOSession:
+    """A compiled OpenVINO model with ONNX Runtime's session calls."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+
+    def get_inputs(self):
+        return [type("Input", (), {"name": i.get_any_name()}) for i in self.compiled.inputs]
+
+    def run(self, _, feeds):
+        result = self.compiled([feeds[i.get_any_name()] for i in self.compiled.inputs])
+        return [result[o] for o in self.compiled.outputs]
+
+
+def test_openvino_runs_the_portable_layer(tmp_path):
+    """The layer at Deformable DETR's largest level size (100 x 167, where a
+    coordinate's fraction needs f32), exported once with a dynamic batch and
+    query count, in OpenVINO at two sizes."""
+    from ms_deform_attn.nn import MSDeformAttn
+
+    torch.manual_seed(0)
+    layer = MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=2).eval()
+    shapes, start = level_tensors([(100, 167), (7, 9)], "cpu")
+
+    def inputs(n, lq):
+        return (torch.randn(n, lq, 32), torch.rand(n, lq, 2, 2) * 1.2 - 0.1,
+                torch.randn(n, 100 * 167 + 63, 32), shapes, start)
+
+    batch, queries = torch.export.Dim("batch"), torch.export.Dim("queries")
+    path = tmp_path / "layer.onnx"
+    export_onnx(layer, inputs(2, 40), str(path),
+                dynamic_shapes=({0: batch, 1: queries}, {0: batch, 1: queries}, {0: batch}, None, None))
+    for compiled in _openvino(path):
+        session = _OpenVINOSession(compiled)
+        for n, lq in ((2, 40), (3, 17)):
+            args = inputs(n, lq)
+            with torch.no_grad():
+                _close(_run(session, args), layer(*args))
+
+
 def _outputs_close(session, detector, pixels):
     feeds = {session.get_inputs()[0].name: pixels.numpy()}
     with torch.no_grad():
@@ -223,6 +279,11 @@ def test_portable_export_of_a_whole_deformable_detr(tmp_path):
     session = _session(path)
     for shape in [(2, 3, 160, 192), (1, 3, 192, 128), (3, 3, 128, 224)]:
         _outputs_close(session, detector, torch.randn(*shape, generator=g))
+    # The same file in OpenVINO: its default configuration where the CPU has
+    # no reduced-precision units, and the documented one everywhere.
+    for compiled in _openvino(path):
+        for shape in [(2, 3, 160, 192), (3, 3, 128, 224)]:
+            _outputs_close(_OpenVINOSession(compiled), detector, torch.randn(*shape, generator=g))
 
 
 def test_export_errors_name_what_and_why():
