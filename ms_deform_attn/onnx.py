@@ -286,6 +286,24 @@ def compile_openvino(model, device: str = "CPU", config: Dict[str, Any] | None =
                                    device, settings)
 
 
+PRECISION_NOTE = ("The sampling's coordinates need float32: compile with float32 inference "
+                  "precision (OpenVINO: INFERENCE_PRECISION_HINT=f32, "
+                  "ms_deform_attn.onnx.compile_openvino; its CPU defaults to bf16 where the CPU "
+                  "has bf16 units, its GPU to f16).")
+
+
+def _note_precision(path) -> None:
+    """Writes PRECISION_NOTE into a written portable file's metadata
+    (`ms_deform_attn.precision`), where a deployment tool or person reading
+    the model finds it; the weights beside it are left as they are."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = "ms_deform_attn.precision", PRECISION_NOTE
+    onnx.save(model, str(path))
+
+
 def _our_nodes(program):
     ours = set(_ops())
     return [n for n in program.graph.nodes if n.op == "call_function" and n.target in ours]
@@ -318,7 +336,10 @@ def export_onnx(model: torch.nn.Module, args: tuple, f=None, *, target: str = "p
             "operators); export it with torch.onnx.export directly")
     if target == "portable":
         program = program.run_decompositions(portable_decompositions())
-        return torch.onnx.export(program, tuple(args), f, dynamo=True, **export_kwargs)
+        exported = torch.onnx.export(program, tuple(args), f, dynamo=True, **export_kwargs)
+        if f is not None:
+            _note_precision(f)
+        return exported
     forward, fused = _ops()
     for node in nodes:
         if node.target == fused:

@@ -236,6 +236,9 @@ def test_openvino_runs_the_portable_layer(tmp_path):
     path = tmp_path / "layer.onnx"
     export_onnx(layer, inputs(2, 40), str(path),
                 dynamic_shapes=({0: batch, 1: queries}, {0: batch, 1: queries}, {0: batch}, None, None))
+    # The file says what precision it needs, for whoever deploys it.
+    notes = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    assert "INFERENCE_PRECISION_HINT=f32" in notes["ms_deform_attn.precision"]
     for compiled in _openvino(path):
         session = _OpenVINOSession(compiled)
         for n, lq in ((2, 40), (3, 17)):
