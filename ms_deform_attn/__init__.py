@@ -23,7 +23,7 @@ from ._ops import (available_backends, backend_reason, cuda_archs, cuda_kernels_
 from . import compat, nn, reference  # noqa: E402
 
 # Also public, imported on demand: ms_deform_attn.hf (transformers),
-# ms_deform_attn.onnx (export). ms_deform_attn.testing holds the canonical
+# ms_deform_attn.onnx (export), ms_deform_attn.distributed (DTensor rules). ms_deform_attn.testing holds the canonical
 # workloads for the tests and benchmarks.
 __all__ = ["ms_deform_attn", "ms_deform_attn_fused", "available_backends", "select_backend",
            "backend_reason", "select_forward_plan", "select_backward_path", "cuda_kernels_built", "cuda_archs", "nn", "compat",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 from typing import Dict, List, Optional, Sequence, Union
 
 import torch
@@ -138,6 +139,8 @@ def ms_deform_attn(
         from .reference import ms_deform_attn_pytorch
         return ms_deform_attn_pytorch(value, spatial_shapes, level_start_index, sampling_locations,
                                       attention_weights)
+    if type(value) is not torch.Tensor:
+        _sharding_rules_if_distributed()
     return _lib.ms_deform_attn(
         value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
         deterministic, _flat_shapes(spatial_shapes_list),
@@ -182,10 +185,24 @@ def ms_deform_attn_fused(
         loc, weights = fused_locations_and_weights(spatial_shapes, reference_points,
                                                    sampling_offsets, attention_logits)
         return ms_deform_attn_pytorch(value, spatial_shapes, level_start_index, loc, weights)
+    if type(value) is not torch.Tensor:
+        _sharding_rules_if_distributed()
     return _lib.ms_deform_attn_fused(
         value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
         attention_logits, backend, deterministic, _flat_shapes(spatial_shapes_list),
     )
+
+
+def _sharding_rules_if_distributed() -> None:
+    """The DTensor sharding rules (ms_deform_attn.distributed), registered
+    once DTensor is in use: checked by the entry points only for inputs that
+    are not plain tensors (a DTensor among them), so that importing this
+    package does not import torch.distributed.tensor (0.6 s). Where DTensor
+    was imported first, the package registers them at import; call
+    ms_deform_attn.distributed.register() to do it explicitly."""
+    if "torch.distributed.tensor" in sys.modules:
+        from .distributed import register
+        register()
 
 
 def _flat_shapes(shapes: Optional[Sequence]) -> Optional[List[int]]:
@@ -375,3 +392,6 @@ def _linear_fake(input, weight, bias=None):
 def _column_sum_fake(grad):
     torch._check(grad.dim() >= 1, lambda: "ms_deform_attn._column_sum: grad must have at least 1 dimension")
     return grad.new_empty((grad.shape[-1],))
+
+
+_sharding_rules_if_distributed()
