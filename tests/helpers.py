@@ -315,3 +315,42 @@ def planner_problem(workload, dtype, d=None, loc_dtype=torch.float32, misaligned
     loc = torch.empty(n, lq, m, levels, wl.p, 2, dtype=loc_dtype)
     attn = torch.empty(n, lq, m, levels, wl.p, dtype=loc_dtype)
     return value, shapes, start, loc, attn
+
+
+# ---- two processes (torch.distributed) -----------------------------------------
+def _two_process_entry(rank, body, backend, port, results):
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":  # one GPU a process, chosen before the group forms
+        import torch
+
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=2)
+    try:
+        body(rank)
+        results[rank] = "ok"
+    except Exception as exc:  # reported by the parent
+        results[rank] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_two_processes(body, backend):
+    """body(rank) in two spawned processes of one process group (`backend`:
+    gloo, nccl); fails with each rank's error where one raised. body must be
+    a module-level function (the processes import it)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_two_process_entry, args=(body, backend, port, results), nprocs=2, join=True)
+        assert dict(results) == {0: "ok", 1: "ok"}, dict(results)

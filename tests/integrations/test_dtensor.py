@@ -2,13 +2,11 @@
 sharding rules), two CPU processes over gloo: queries, batch or heads
 sharded, forward and backward against the same call in one process; the
 attention module with its queries sharded; FSDP2 training steps."""
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from helpers import run_on_two_processes
 
 pytest.importorskip("torch.distributed.tensor")
 
@@ -147,37 +145,19 @@ def check_fsdp2(mesh, rank):
         assert err <= 1e-5, f"{name}: {err:.1e}"
 
 
-def worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+def checks(rank):
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2,))
-        for fused in (False, True):
-            for layout in LAYOUTS:
-                for deterministic in (False, True):
-                    check_operator(mesh, layout, fused, deterministic)
-        check_module(mesh)
-        check_fsdp2(mesh, rank)
-        results[rank] = "ok"
-    except Exception as exc:  # reported by the parent
-        import traceback
-        results[rank] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    mesh = init_device_mesh("cpu", (2,))
+    for fused in (False, True):
+        for layout in LAYOUTS:
+            for deterministic in (False, True):
+                check_operator(mesh, layout, fused, deterministic)
+    check_module(mesh)
+    check_fsdp2(mesh, rank)
 
 
 def test_sharded_operators_on_two_processes():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(free_port(), results), nprocs=2, join=True)
-        assert dict(results) == {0: "ok", 1: "ok"}, dict(results)
+    run_on_two_processes(checks, "gloo")

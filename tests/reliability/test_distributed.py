@@ -2,14 +2,11 @@
 of a small model built on the MSDeformAttn module: after every step the
 gradients are bitwise identical across ranks and equal the average of the
 ranks' own gradients. Skips (and says so) without two CUDA devices."""
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from helpers import run_on_two_processes
 from ms_deform_attn.nn import MSDeformAttn
 from ms_deform_attn.testing import level_tensors
 
@@ -45,56 +42,39 @@ def flat_grads(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def worker(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def train(rank):
+    device = torch.device("cuda", rank)
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=2)
-    try:
-        device = torch.device("cuda", rank)
-        shapes, start = level_tensors(LEVELS, device)
-        torch.manual_seed(0)
-        model = Encoder().to(device)
-        local = Encoder().to(device)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(STEPS):
-            src, ref = batch(rank, step, device)
-            # This rank's own gradient, on a copy of the current weights.
-            local.load_state_dict(model.state_dict())
-            local.zero_grad()
-            local(src, ref, shapes, start).backward()
-            mine = flat_grads(local)
-            opt.zero_grad()
-            ddp(src, ref, shapes, start).backward()
-            synced = flat_grads(model)
-            both = [torch.empty_like(synced) for _ in range(2)]
-            dist.all_gather(both, synced)
-            assert torch.equal(both[0], both[1]), f"step {step}: ranks' gradients differ"
-            theirs = [torch.empty_like(mine) for _ in range(2)]
-            dist.all_gather(theirs, mine)
-            mean = (theirs[0] + theirs[1]) / 2
-            err = ((synced - mean).norm() / mean.norm()).item()
-            assert err < 1e-5, f"step {step}: DDP gradient off the ranks' mean by {err:.1e}"
-            opt.step()
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        both = [torch.empty_like(params) for _ in range(2)]
-        dist.all_gather(both, params)
-        assert torch.equal(both[0], both[1]), "ranks' weights differ after training"
-        results[rank] = "ok"
-    except Exception as exc:  # reported by the parent
-        results[rank] = f"{type(exc).__name__}: {exc}"
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    shapes, start = level_tensors(LEVELS, device)
+    torch.manual_seed(0)
+    model = Encoder().to(device)
+    local = Encoder().to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(STEPS):
+        src, ref = batch(rank, step, device)
+        # This rank's own gradient, on a copy of the current weights.
+        local.load_state_dict(model.state_dict())
+        local.zero_grad()
+        local(src, ref, shapes, start).backward()
+        mine = flat_grads(local)
+        opt.zero_grad()
+        ddp(src, ref, shapes, start).backward()
+        synced = flat_grads(model)
+        both = [torch.empty_like(synced) for _ in range(2)]
+        dist.all_gather(both, synced)
+        assert torch.equal(both[0], both[1]), f"step {step}: ranks' gradients differ"
+        theirs = [torch.empty_like(mine) for _ in range(2)]
+        dist.all_gather(theirs, mine)
+        mean = (theirs[0] + theirs[1]) / 2
+        err = ((synced - mean).norm() / mean.norm()).item()
+        assert err < 1e-5, f"step {step}: DDP gradient off the ranks' mean by {err:.1e}"
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    both = [torch.empty_like(params) for _ in range(2)]
+    dist.all_gather(both, params)
+    assert torch.equal(both[0], both[1]), "ranks' weights differ after training"
 
 
 def test_ddp_two_gpus():
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(worker, args=(free_port(), results), nprocs=2, join=True)
-        assert dict(results) == {0: "ok", 1: "ok"}
+    run_on_two_processes(train, "nccl")
