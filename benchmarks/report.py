@@ -36,10 +36,14 @@ def _us(x) -> str:
     return "" if x is None else (f"{x:.1f}" if x < 100 else f"{x:.0f}")
 
 
+def kind_of(name: str) -> str:
+    """What an implementation is in the results: ours, a peer or the reference."""
+    return "peer" if name in PEERS else "reference" if name == "reference" else "ours"
+
+
 def _kind(r: Dict) -> str:
-    """ours, peer or reference (results written before rows said so: by name)."""
-    return r.get("kind") or ("reference" if r["impl"] == "reference"
-                             else "peer" if r["impl"] in PEERS else "ours")
+    """A row's kind (results written before rows said so: by name)."""
+    return r.get("kind") or kind_of(r["impl"])
 
 
 def peers_in(result: Dict) -> List[str]:

@@ -34,7 +34,7 @@ from ms_deform_attn import testing as W
 from ms_deform_attn.reference import ms_deform_attn_pytorch
 
 from .peers import PEERS
-from .report import auto_verdicts
+from .report import auto_verdicts, kind_of
 from .timing import (DETERMINISTIC, Timing, copy_bandwidth, implementations, our_backends, time_cpu,
                      time_cuda, time_torch_benchmark)
 
@@ -192,10 +192,6 @@ def measure(args) -> Dict:
         print(f"warning: {notes[-1]}", file=sys.stderr)
     return {"env": env, "notes": notes, "rows": rows}
 
-
-def kind_of(name: str) -> str:
-    """What an implementation is in the results: ours, a peer or the reference."""
-    return "peer" if name in PEERS else "reference" if name == "reference" else "ours"
 
 
 # torch.utils.benchmark Measurements of the run (--timer torch / both), for

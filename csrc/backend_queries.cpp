@@ -65,7 +65,7 @@ std::string backend_reason(c10::string_view backend, const ForwardProblem& p, c1
   const std::string name(backend);
   if (device.is_cpu()) {
     if (name == "cpu" || name == "auto") return "";
-    if (name == "pytorch") return cuda_backend_reason(name, p, DeviceInfo{});
+    if (name == "pytorch") return reference_backend_reason();
     return "cannot run on CPU tensors; backends for cpu: ['cpu'] (or 'auto')";
   }
   const auto d = device.is_cuda() ? cuda_device_info(device.index()) : std::nullopt;

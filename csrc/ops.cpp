@@ -35,25 +35,21 @@ std::optional<DeviceInfo> described_device(at::OptionalIntArrayRef device) {
 }
 
 // The queries validate the inputs (no copies) and ask the planners.
-ForwardProblem forward_problem(const at::Tensor& value, const at::Tensor& spatial_shapes,
+ForwardProblem checked_problem(const at::Tensor& value, const at::Tensor& spatial_shapes,
                                const at::Tensor& level_start_index,
                                const at::Tensor& sampling_locations,
                                const at::Tensor& attention_weights, c10::string_view backend,
                                at::OptionalIntArrayRef spatial_shapes_list, bool fused = false) {
-  ForwardProblem p;
-  p.pb = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
-                      attention_weights, backend, spatial_shapes_list)
-             .pb;
-  p.fused = fused;
-  p.value_align = pointer_alignment(value.data_ptr());
-  return p;
+  const Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
+                                 attention_weights, backend, spatial_shapes_list);
+  return forward_problem(c.pb, value.data_ptr(), fused);
 }
 
 std::string select(const at::Tensor& value, const at::Tensor& spatial_shapes,
                    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                    const at::Tensor& attention_weights,
                    at::OptionalIntArrayRef spatial_shapes_list) {
-  const ForwardProblem p = forward_problem(value, spatial_shapes, level_start_index,
+  const ForwardProblem p = checked_problem(value, spatial_shapes, level_start_index,
                                            sampling_locations, attention_weights, "auto",
                                            spatial_shapes_list);
   return backend_name(forward_plan(p, value.device(), "auto").backend);
@@ -67,7 +63,7 @@ std::string forward_plan_text(const at::Tensor& value, const at::Tensor& spatial
                               const at::Tensor& attention_weights,
                               at::OptionalIntArrayRef spatial_shapes_list, bool fused,
                               c10::string_view backend, at::OptionalIntArrayRef device) {
-  const ForwardProblem p = forward_problem(value, spatial_shapes, level_start_index,
+  const ForwardProblem p = checked_problem(value, spatial_shapes, level_start_index,
                                            sampling_locations, attention_weights, backend,
                                            spatial_shapes_list, fused);
   return to_string(forward_plan(p, value.device(), backend, described_device(device)));
@@ -77,7 +73,7 @@ std::string reason(const at::Tensor& value, const at::Tensor& spatial_shapes,
                    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
                    const at::Tensor& attention_weights, c10::string_view backend,
                    at::OptionalIntArrayRef spatial_shapes_list) {
-  const ForwardProblem p = forward_problem(value, spatial_shapes, level_start_index,
+  const ForwardProblem p = checked_problem(value, spatial_shapes, level_start_index,
                                            sampling_locations, attention_weights, backend,
                                            spatial_shapes_list);
   return backend_reason(backend, p, value.device());

@@ -27,6 +27,7 @@ to run the result).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Any, Callable, Dict
 
@@ -186,11 +187,10 @@ def _is_dynamic(marker) -> bool:
     return not (marker is None or isinstance(marker, int) or marker is torch.export.Dim.STATIC)
 
 
-def _enlarged(value, spec, grown):
+def _enlarged(value, spec):
     """`value` (a tensor or a container of them) with every dimension that
     `spec` marks dynamic and that has size 1 doubled (the data repeated), so
-    that torch.export does not make it the constant 1; records what it grew
-    in `grown`."""
+    that torch.export does not make it the constant 1."""
     if isinstance(value, torch.Tensor):
         if isinstance(spec, dict):
             dims = spec.items()
@@ -201,49 +201,46 @@ def _enlarged(value, spec, grown):
         for dim, marker in dims:
             if _is_dynamic(marker) and value.size(dim) == 1:
                 value = torch.cat([value, value], dim)
-                grown.append(getattr(marker, "__name__", str(marker)))
         return value
     if isinstance(value, (list, tuple)) and isinstance(spec, (list, tuple)) and len(spec) == len(value):
-        return type(value)(_enlarged(v, s, grown) for v, s in zip(value, spec))
+        return type(value)(_enlarged(v, s) for v, s in zip(value, spec))
     if isinstance(value, dict) and isinstance(spec, dict):
-        return {k: _enlarged(v, spec.get(k), grown) for k, v in value.items()}
+        return {k: _enlarged(v, spec.get(k)) for k, v in value.items()}
     return value
 
 
 def export_example(model: torch.nn.Module, args: tuple, kwargs: Dict[str, Any] | None,
                    dynamic_shapes):
-    """The example export_onnx traces: `args` and `kwargs` with every
-    dimension that `dynamic_shapes` marks dynamic and that has size 1 doubled.
+    """The example export_onnx traces: (args, kwargs) with every dimension
+    that `dynamic_shapes` marks dynamic and that has size 1 doubled.
     torch.export makes a dimension of size 1 a constant (a batch-1 example
     would fix the graph's batch at 1, or fail with a named Dim); the doubled
     example leaves it symbolic, and the model's result for it is the same
-    computation. Returns (args, kwargs, the markers it grew)."""
+    computation."""
     kwargs = dict(kwargs or {})
     if dynamic_shapes is None:
-        return tuple(args), kwargs, []
-    grown: list = []
+        return tuple(args), kwargs
     if isinstance(dynamic_shapes, dict):
         import inspect
 
         names = list(inspect.signature(model.forward).parameters)
-        args = tuple(_enlarged(a, dynamic_shapes.get(names[i]) if i < len(names) else None, grown)
+        args = tuple(_enlarged(a, dynamic_shapes.get(names[i]) if i < len(names) else None)
                      for i, a in enumerate(args))
-        kwargs = {k: _enlarged(v, dynamic_shapes.get(k), grown) for k, v in kwargs.items()}
+        kwargs = {k: _enlarged(v, dynamic_shapes.get(k)) for k, v in kwargs.items()}
     else:
         specs = list(dynamic_shapes)
-        args = tuple(_enlarged(a, specs[i] if i < len(specs) else None, grown)
-                     for i, a in enumerate(args))
+        args = tuple(_enlarged(a, specs[i] if i < len(specs) else None) for i, a in enumerate(args))
         rest = specs[len(args):]
-        kwargs = {k: _enlarged(v, rest[i] if i < len(rest) else None, grown)
+        kwargs = {k: _enlarged(v, rest[i] if i < len(rest) else None)
                   for i, (k, v) in enumerate(kwargs.items())}
-    return args, kwargs, grown
+    return args, kwargs
 
 
 def output_names(program) -> list:
     """Names for the exported program's outputs, from the model's output
-    structure: a transformers ModelOutput's fields (`last_hidden_state`,
-    `encoder_last_hidden_state`, ...), a dict's keys, `output` for a lone
-    tensor, `output_<i>` in a tuple; nested items joined by `_`."""
+    structure: a dict's keys (or the fields of any output type registered
+    with torch's pytree), `output` for a lone tensor, `output_<i>` in a
+    tuple; nested items joined by `_`."""
     from torch.utils import _pytree as pytree
 
     spec = program.call_spec.out_spec
@@ -324,7 +321,7 @@ def export_onnx(model: torch.nn.Module, args: tuple, f=None, *, target: str = "p
     and, for "tensorrt", a value dtype the plugin does not take."""
     if target not in TARGETS:
         raise ValueError(f"export_onnx: target must be one of {TARGETS}, got {target!r}")
-    args, kwargs, _ = export_example(model, args, kwargs, dynamic_shapes)
+    args, kwargs = export_example(model, args, kwargs, dynamic_shapes)
     with symbolic_sizes() if dynamic_shapes is not None else contextlib.nullcontext():
         program = torch.export.export(model, tuple(args), kwargs=kwargs, dynamic_shapes=dynamic_shapes)
     export_kwargs.setdefault("output_names", output_names(program))
@@ -337,7 +334,7 @@ def export_onnx(model: torch.nn.Module, args: tuple, f=None, *, target: str = "p
     if target == "portable":
         program = program.run_decompositions(portable_decompositions())
         exported = torch.onnx.export(program, tuple(args), f, dynamo=True, **export_kwargs)
-        if f is not None:
+        if isinstance(f, (str, os.PathLike)):
             _note_precision(f)
         return exported
     forward, fused = _ops()

@@ -19,7 +19,8 @@ at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights, backend,
                                      spatial_shapes_list);
-  forward_plan(ForwardProblem{in.pb}, value.device(), backend);  // raises where it cannot run
+  // Raises where the backend cannot run.
+  forward_plan(forward_problem(in.pb, in.value.data_ptr(), /*fused=*/false), value.device(), backend);
   const auto& pb = in.pb;
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
   const int64_t groups = pb.N * pb.Lq * pb.M;

@@ -26,13 +26,9 @@ cudaError_t query(int dev, DeviceInfo& d) {
   return err;
 }
 
-// The queries' hook: nullopt where no CUDA device is usable.
+// The queries' hook (and the operator's, on every call): nullopt where no
+// CUDA device is usable; the runtime's answer for a device is cached.
 std::optional<DeviceInfo> for_queries(int device) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
-    (void)cudaGetLastError();
-    return std::nullopt;
-  }
   DeviceInfo d;
   if (device_info(device, d) != cudaSuccess) {
     (void)cudaGetLastError();

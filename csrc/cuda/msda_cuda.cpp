@@ -66,11 +66,8 @@ cudaError_t launch(const ForwardParams& p, cudaStream_t stream) {
 
 // The forward's plan for the prepared inputs on value's device.
 ForwardPlan plan_for(const Prepared& in, bool fused, c10::string_view backend) {
-  ForwardProblem p;
-  p.pb = in.pb;
-  p.fused = fused;
-  p.value_align = pointer_alignment(in.value.data_ptr());
-  return forward_plan(p, in.value.device(), backend);
+  return forward_plan(forward_problem(in.pb, in.value.data_ptr(), fused), in.value.device(),
+                      backend);
 }
 
 // Allocates the output and launches the plan's kernel on the prepared

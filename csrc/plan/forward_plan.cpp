@@ -206,14 +206,16 @@ std::vector<std::string> cuda_backends(const DeviceInfo& d) {
   return names;
 }
 
+std::string reference_backend_reason() {
+  return "is the grid_sample reference, which the Python entry points run "
+         "(ms_deform_attn.ms_deform_attn(..., backend='pytorch')); the C++ operator has no "
+         "kernel of that name";
+}
+
 std::string cuda_backend_reason(const std::string& name, const ForwardProblem& p, const DeviceInfo& d) {
   if (name == "auto") return "";
   if (name == "cpu") return "cannot run on CUDA tensors (only on CPU tensors)";
-  if (name == "pytorch") {
-    return "is the grid_sample reference, which the Python entry points run "
-           "(ms_deform_attn.ms_deform_attn(..., backend='pytorch')); the C++ operator has no "
-           "kernel of that name";
-  }
+  if (name == "pytorch") return reference_backend_reason();
   const Backend* b = find(name);
   if (b == nullptr) {
     return "unknown backend '" + name + "'; expected 'auto' or one of " + quoted(backend_names());

@@ -33,6 +33,15 @@ struct ForwardProblem {
   int value_align = 32;   // value's data pointer alignment in bytes (pointer_alignment, at most 32)
 };
 
+// The problem of validated inputs pb whose value's data is at `value`.
+inline ForwardProblem forward_problem(const Problem& pb, const void* value, bool fused) {
+  ForwardProblem p;
+  p.pb = pb;
+  p.fused = fused;
+  p.value_align = pointer_alignment(value);
+  return p;
+}
+
 struct ForwardWishes {
   std::string backend = "auto";  // "auto" or a name of backend_names()
   // Test hooks (MS_DEFORM_ATTN_BLOCKED_ROWS, MS_DEFORM_ATTN_SMEM_BUDGET, read in overrides.cpp).
@@ -43,6 +52,8 @@ struct ForwardWishes {
 // The CUDA backends a device of compute capability d can run at all, in the
 // order "auto" prefers them.
 std::vector<std::string> cuda_backends(const DeviceInfo& d);
+// Why "pytorch" cannot run in the C++ operator, on any device.
+std::string reference_backend_reason();
 // Why CUDA backend `name` cannot run problem p on device d ("" when it can);
 // "auto" always can; unknown names and "cpu" / "pytorch" say why not.
 std::string cuda_backend_reason(const std::string& name, const ForwardProblem& p, const DeviceInfo& d);
