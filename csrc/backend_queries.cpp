@@ -1,7 +1,7 @@
 // The backend questions for any device (backend_queries.h).
 #include "backend_queries.h"
 
-#include <c10/util/Exception.h>
+#include "check.h"
 
 #include <sstream>
 
@@ -15,9 +15,9 @@ CudaDeviceInfoFn& device_info_fn() {
   return fn;
 }
 
-std::string no_kernel(c10::Device device) {
+std::string no_kernel(Device device) {
   std::ostringstream os;
-  os << "no kernel for device " << device << " in this build";
+  os << "no kernel for device " << device_name(device) << " in this build";
   return os.str();
 }
 
@@ -29,14 +29,14 @@ std::optional<DeviceInfo> cuda_device_info(int device) {
   return device_info_fn() == nullptr ? std::nullopt : device_info_fn()(device);
 }
 
-std::vector<std::string> available_backends(c10::Device device) {
+std::vector<std::string> available_backends(Device device) {
   if (device.is_cpu()) return {"cpu"};
   if (!device.is_cuda()) return {};
   const auto info = cuda_device_info(device.has_index() ? device.index() : -1);
   return info ? cuda_backends(*info) : std::vector<std::string>{};
 }
 
-ForwardWishes forward_wishes(c10::string_view backend) {
+ForwardWishes forward_wishes(std::string_view backend) {
   ForwardWishes w;
   w.backend = std::string(backend);
   if (w.backend == "auto") {
@@ -47,21 +47,21 @@ ForwardWishes forward_wishes(c10::string_view backend) {
   return w;
 }
 
-ForwardPlan forward_plan(const ForwardProblem& p, c10::Device device, c10::string_view backend,
+ForwardPlan forward_plan(const ForwardProblem& p, Device device, std::string_view backend,
                          const std::optional<DeviceInfo>& info) {
   if (!info && device.is_cpu()) {
     const std::string why = backend_reason(backend, p, device);
-    TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", backend, "' ", why);
+    MSDA_CHECK(why.empty(), "ms_deform_attn: backend '", backend, "' ", why);
     ForwardPlan plan;
     plan.backend = ForwardBackend::cpu;
     return plan;
   }
   const auto d = info ? info : device.is_cuda() ? cuda_device_info(device.index()) : std::nullopt;
-  TORCH_CHECK(d.has_value(), "ms_deform_attn: ", no_kernel(device));
+  MSDA_CHECK(d.has_value(), "ms_deform_attn: ", no_kernel(device));
   return plan_forward(p, *d, forward_wishes(backend));
 }
 
-std::string backend_reason(c10::string_view backend, const ForwardProblem& p, c10::Device device) {
+std::string backend_reason(std::string_view backend, const ForwardProblem& p, Device device) {
   const std::string name(backend);
   if (device.is_cpu()) {
     if (name == "cpu" || name == "auto") return "";

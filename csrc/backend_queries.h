@@ -7,8 +7,7 @@
 // operators ask here too.
 #pragma once
 
-#include <c10/core/Device.h>
-#include <c10/util/string_view.h>
+#include "tensor.h"
 
 #include <optional>
 #include <string>
@@ -24,17 +23,17 @@ using CudaDeviceInfoFn = std::optional<DeviceInfo> (*)(int device);
 void set_cuda_device_info(CudaDeviceInfoFn fn);
 std::optional<DeviceInfo> cuda_device_info(int device);
 
-std::vector<std::string> available_backends(c10::Device device);
+std::vector<std::string> available_backends(Device device);
 // The caller's backend with the environment's overrides (MS_DEFORM_ATTN_BACKEND
 // for "auto", and the test hooks; overrides.h).
-ForwardWishes forward_wishes(c10::string_view backend);
+ForwardWishes forward_wishes(std::string_view backend);
 // The plan for p on `device` with `backend` asked for (CPU tensors: the
 // `cpu` kernel); raises with the reason when that backend cannot run p.
 // `info`: plan for this CUDA device instead of `device`'s (the queries' hook
 // for devices that are not there).
-ForwardPlan forward_plan(const ForwardProblem& p, c10::Device device, c10::string_view backend,
+ForwardPlan forward_plan(const ForwardProblem& p, Device device, std::string_view backend,
                          const std::optional<DeviceInfo>& info = std::nullopt);
 // Why `backend` cannot run p on `device` ("" when it can).
-std::string backend_reason(c10::string_view backend, const ForwardProblem& p, c10::Device device);
+std::string backend_reason(std::string_view backend, const ForwardProblem& p, Device device);
 
 }  // namespace msda

@@ -1,5 +1,5 @@
 // The one dtype dispatch of the library, for the CPU and CUDA launchers
-// alike: each names its own 16-bit types (c10::Half / c10::BFloat16 on the
+// alike: each names its own 16-bit types (torch::headeronly::Half / BFloat16 on the
 // CPU, __half / __nv_bfloat16 in CUDA).
 #pragma once
 

@@ -7,72 +7,79 @@
 // the raw inputs.
 #include "fused.h"
 
-#include <ATen/ATen.h>
-#include <torch/library.h>
-
-#include "calls.h"  // share/ms_deform_attn/src: the typed dispatcher calls
-
 namespace msda {
 namespace {
 
 const char* kFusedOp = "ms_deform_attn_fused: ";
 
-void check_dims(const at::Tensor& t, const char* name, std::initializer_list<int64_t> expected,
+void check_dims(const Tensor& t, const char* name, std::initializer_list<int64_t> expected,
                 const char* layout) {
-  TORCH_CHECK(t.dim() >= 1, kFusedOp, name, " must have ", layout, ", got a 0-d tensor");
+  MSDA_CHECK(t.dim() >= 1, kFusedOp, name, " must have ", layout, ", got a 0-d tensor");
   const int64_t d = t.dim();
-  TORCH_CHECK(d == static_cast<int64_t>(expected.size()), kFusedOp, name, " must have ",
-              expected.size(), " dimensions ", layout, ", got ", d, " (shape ", t.sizes(), ")");
+  MSDA_CHECK(d == static_cast<int64_t>(expected.size()), kFusedOp, name, " must have ",
+              expected.size(), " dimensions ", layout, ", got ", d, " (shape ", shape_str(t), ")");
   int64_t i = 0;
   for (int64_t want : expected) {
-    TORCH_CHECK(want < 0 || t.size(i) == want, kFusedOp, name, " must have shape ", layout,
-                ": size(", i, ") expected ", want, ", got ", t.size(i), " (shape ", t.sizes(), ")");
+    MSDA_CHECK(want < 0 || t.size(i) == want, kFusedOp, name, " must have shape ", layout,
+                ": size(", i, ") expected ", want, ", got ", t.size(i), " (shape ", shape_str(t), ")");
     ++i;
   }
 }
 
-void check_float(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(at::isFloatingType(t.scalar_type()), kFusedOp, name,
-              " must be a floating-point tensor, got ", t.scalar_type());
+void check_float(const Tensor& t, const char* name) {
+  MSDA_CHECK(is_floating(t.scalar_type()), kFusedOp, name,
+              " must be a floating-point tensor, got ", dtype_name(t.scalar_type()));
 }
 
 // (N, Lq, 1, L, 1, k) view of columns [from, from + k) of the reference
 // points, in the coordinate dtype t.
-at::Tensor ref_columns(const at::Tensor& ref, int64_t from, int64_t k, at::ScalarType t) {
-  return ref.narrow(-1, from, k).to(t).unsqueeze(2).unsqueeze(4);
+Tensor ref_columns(const Tensor& ref, int64_t from, int64_t k, ScalarType t) {
+  Tensor r = ref;
+  r = to(torch::stable::narrow(r, r.dim() - 1, from, k), t);
+  return torch::stable::unsqueeze(torch::stable::unsqueeze(r, 2), 4);
 }
 
 // (1, 1, 1, L, 1, 2) (W, H) of each level in dtype t.
-at::Tensor level_wh(const at::Tensor& spatial_shapes, at::ScalarType t) {
-  return spatial_shapes.flip(-1).to(t).view({1, 1, 1, -1, 1, 2});
+Tensor level_wh(const Tensor& spatial_shapes, ScalarType t) {
+  return view(to(call_op("aten::flip", "", spatial_shapes, Shape{-1}), t), {1, 1, 1, -1, 1, 2});
+}
+
+// The elementwise arithmetic of the composites: ATen's kernels, type
+// promotion and broadcasting; a constant is a 0-d CPU tensor of the
+// coordinate dtype t (ATen computes with it as with a Python number).
+Tensor mul(const Tensor& a, const Tensor& b) { return call_op("aten::mul", "Tensor", a, b); }
+Tensor div(const Tensor& a, const Tensor& b) { return call_op("aten::div", "Tensor", a, b); }
+Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
+Tensor constant(double v, ScalarType t) {
+  return full({}, v, t, Device(torch::headeronly::DeviceType::CPU));
 }
 
 }  // namespace
 
-FusedSizes check_fused_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                              const at::Tensor& reference_points,
-                              const at::Tensor& sampling_offsets,
-                              const at::Tensor& attention_logits) {
+FusedSizes check_fused_inputs(const Tensor& value, const Tensor& spatial_shapes,
+                              const Tensor& reference_points,
+                              const Tensor& sampling_offsets,
+                              const Tensor& attention_logits) {
   check_dims(value, "value", {-1, -1, -1, -1}, "(N, S, M, D)");
   check_dims(spatial_shapes, "spatial_shapes", {-1, 2}, "(L, 2)");
   FusedSizes s{};
-  s.coord = value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  s.coord = value.scalar_type() == kDouble ? kDouble : kFloat;
   s.N = value.size(0);
   s.M = value.size(2);
   s.L = spatial_shapes.size(0);
-  TORCH_CHECK(reference_points.dim() == 4, kFusedOp,
+  MSDA_CHECK(reference_points.dim() == 4, kFusedOp,
               "reference_points must have 4 dimensions (N, Lq, L, 2) or (N, Lq, L, 4), got ",
-              reference_points.dim(), " (shape ", reference_points.sizes(), ")");
+              reference_points.dim(), " (shape ", shape_str(reference_points), ")");
   s.Lq = reference_points.size(1);
   const int64_t k = reference_points.size(3);
-  TORCH_CHECK(k == 2 || k == 4, kFusedOp,
+  MSDA_CHECK(k == 2 || k == 4, kFusedOp,
               "reference_points.size(3) must be 2 (points) or 4 (boxes cx, cy, w, h), got ", k);
   s.boxes = k == 4;
   check_dims(reference_points, "reference_points", {s.N, s.Lq, s.L, k},
              "(N, Lq, L, 2 or 4) with N = value.size(0), L = spatial_shapes.size(0)");
-  TORCH_CHECK(sampling_offsets.dim() == 6, kFusedOp,
+  MSDA_CHECK(sampling_offsets.dim() == 6, kFusedOp,
               "sampling_offsets must have 6 dimensions (N, Lq, M, L, P, 2), got ",
-              sampling_offsets.dim(), " (shape ", sampling_offsets.sizes(), ")");
+              sampling_offsets.dim(), " (shape ", shape_str(sampling_offsets), ")");
   s.P = sampling_offsets.size(4);
   check_dims(sampling_offsets, "sampling_offsets", {s.N, s.Lq, s.M, s.L, s.P, 2},
              "(N, Lq, M, L, P, 2) with N, M from value, Lq from reference_points, L from "
@@ -90,8 +97,8 @@ FusedSizes check_fused_inputs(const at::Tensor& value, const at::Tensor& spatial
   for (const auto& [t, name] : {std::pair{&reference_points, "reference_points"},
                                 {&sampling_offsets, "sampling_offsets"},
                                 {&attention_logits, "attention_logits"}}) {
-    TORCH_CHECK(t->device() == value.device(), kFusedOp, name, " must be on value's device ",
-                value.device(), ", got ", t->device());
+    MSDA_CHECK(t->device() == value.device(), kFusedOp, name, " must be on value's device ",
+               device_name(value.device()), ", got ", device_name(t->device()));
   }
   return s;
 }
@@ -102,25 +109,29 @@ namespace {
 // (N, Lq, M, L, P), in s.coord, as Deformable DETR's layer forms them: points
 // ref + offset / (W, H) of the level; boxes ref_xy + offset / P * ref_wh *
 // 0.5; weights the softmax of each (n, q, m)'s L P logits.
-std::tuple<at::Tensor, at::Tensor> fused_locations_and_weights(
-    const at::Tensor& spatial_shapes, const at::Tensor& reference_points,
-    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, const FusedSizes& s) {
-  at::Tensor loc;
+std::tuple<Tensor, Tensor> fused_locations_and_weights(
+    const Tensor& spatial_shapes, const Tensor& reference_points,
+    const Tensor& sampling_offsets, const Tensor& attention_logits, const FusedSizes& s) {
+  Tensor loc;
   if (s.boxes) {
     // The reference module's order of operations: offset / P * wh * 0.5.
-    const at::Tensor off = sampling_offsets.to(s.coord);
-    loc = ref_columns(reference_points, 0, 2, s.coord) +
-          off / static_cast<double>(s.P) * ref_columns(reference_points, 2, 2, s.coord) * 0.5;
+    const Tensor off = to(sampling_offsets, s.coord);
+    loc = add(ref_columns(reference_points, 0, 2, s.coord),
+              mul(mul(div(off, constant(static_cast<double>(s.P), s.coord)),
+                      ref_columns(reference_points, 2, 2, s.coord)),
+                  constant(0.5, s.coord)));
   } else {
-    // ref + offset / (W, H) in one kernel, computed in the promoted dtype
-    // (16-bit offsets are widened, not rounded, before the division).
-    loc = at::addcdiv(ref_columns(reference_points, 0, 2, s.coord), sampling_offsets,
-                      level_wh(spatial_shapes, s.coord))
-              .to(s.coord);
+    // ref + offset / (W, H), computed in the promoted dtype (16-bit offsets
+    // are widened, not rounded, before the division).
+    loc = to(add(ref_columns(reference_points, 0, 2, s.coord),
+                 div(sampling_offsets, level_wh(spatial_shapes, s.coord))),
+             s.coord);
   }
-  const at::Tensor weights =
-      at::softmax(attention_logits.to(s.coord).reshape({s.N, s.Lq, s.M, s.L * s.P}), -1)
-          .view({s.N, s.Lq, s.M, s.L, s.P});
+  const Tensor weights =
+      view(call_op("aten::_softmax", "",
+                   reshape(to(attention_logits, s.coord), {s.N, s.Lq, s.M, s.L * s.P}),
+                   int64_t(-1), false),
+           {s.N, s.Lq, s.M, s.L, s.P});
   return {loc, weights};
 }
 
@@ -128,73 +139,82 @@ std::tuple<at::Tensor, at::Tensor> fused_locations_and_weights(
 // chain rule of fused_locations_and_weights): grad_reference_points (only
 // when `ref_grad`; undefined otherwise), grad_sampling_offsets,
 // grad_attention_logits, each in its input's dtype and shape.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads(
-    const at::Tensor& spatial_shapes, const at::Tensor& reference_points,
-    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits,
-    const at::Tensor& attention_weights, const at::Tensor& grad_locations,
-    const at::Tensor& grad_weights, const FusedSizes& s, bool ref_grad) {
+std::tuple<Tensor, Tensor, Tensor> fused_input_grads(
+    const Tensor& spatial_shapes, const Tensor& reference_points,
+    const Tensor& sampling_offsets, const Tensor& attention_logits,
+    const Tensor& attention_weights, const Tensor& grad_locations,
+    const Tensor& grad_weights, const FusedSizes& s, bool ref_grad) {
   // Softmax: dz = a * (g - sum(a g)) over each row of L P (one ATen kernel).
-  const at::Tensor a = attention_weights.reshape({s.N, s.Lq, s.M, s.L * s.P});
-  const at::Tensor g = grad_weights.to(s.coord).reshape({s.N, s.Lq, s.M, s.L * s.P});
-  const at::Tensor grad_logits = at::_softmax_backward_data(g, a, -1, s.coord)
-                                     .view(attention_logits.sizes())
-                                     .to(attention_logits.scalar_type());
-  const at::Tensor gl = grad_locations.to(s.coord);
-  at::Tensor grad_off, grad_ref;
+  const Tensor a = reshape(attention_weights, {s.N, s.Lq, s.M, s.L * s.P});
+  const Tensor g = reshape(to(grad_weights, s.coord), {s.N, s.Lq, s.M, s.L * s.P});
+  const Tensor grad_logits =
+      to(view(call_op("aten::_softmax_backward_data", "", g, a, int64_t(-1), s.coord),
+              sizes_of(attention_logits)),
+         attention_logits.scalar_type());
+  const Tensor gl = to(grad_locations, s.coord);
+  auto sum_heads_points = [](const Tensor& t) {
+    return torch::stable::sum(t, std::vector<int64_t>{2, 4});
+  };
+  Tensor grad_off, grad_ref;
   if (s.boxes) {
-    const at::Tensor wh = ref_columns(reference_points, 2, 2, s.coord);
-    grad_off = gl / static_cast<double>(s.P) * wh * 0.5;
+    const Tensor wh = ref_columns(reference_points, 2, 2, s.coord);
+    grad_off = mul(mul(div(gl, constant(static_cast<double>(s.P), s.coord)), wh),
+                   constant(0.5, s.coord));
     if (ref_grad) {
       // loc = xy + off / P * wh * 0.5: d/dxy sums over heads and points,
       // d/dwh sums gl * off / P * 0.5.
-      const at::Tensor off = sampling_offsets.to(s.coord);
-      grad_ref = at::cat({gl.sum({2, 4}), (gl * off / static_cast<double>(s.P) * 0.5).sum({2, 4})},
-                         -1);
+      const Tensor off = to(sampling_offsets, s.coord);
+      const Tensor d_wh = mul(div(mul(gl, off), constant(static_cast<double>(s.P), s.coord)),
+                              constant(0.5, s.coord));
+      grad_ref = call_op("aten::cat", "",
+                         std::vector<Tensor>{sum_heads_points(gl), sum_heads_points(d_wh)},
+                         int64_t(-1));
     }
   } else {
-    grad_off = gl / level_wh(spatial_shapes, s.coord);
-    if (ref_grad) grad_ref = gl.sum({2, 4});
+    grad_off = div(gl, level_wh(spatial_shapes, s.coord));
+    if (ref_grad) grad_ref = sum_heads_points(gl);
   }
-  if (ref_grad) grad_ref = grad_ref.to(reference_points.scalar_type());
-  return {grad_ref, grad_off.to(sampling_offsets.scalar_type()), grad_logits};
+  if (ref_grad) grad_ref = to(grad_ref, reference_points.scalar_type());
+  return {grad_ref, to(grad_off, sampling_offsets.scalar_type()), grad_logits};
 }
 
 }  // namespace
 
-at::Tensor fused_forward_formed(const FusedSizes& s, const at::Tensor& value,
-                                const at::Tensor& spatial_shapes,
-                                const at::Tensor& level_start_index,
-                                const at::Tensor& reference_points,
-                                const at::Tensor& sampling_offsets,
-                                const at::Tensor& attention_logits, c10::string_view backend,
+Tensor fused_forward_formed(const FusedSizes& s, const Tensor& value,
+                                const Tensor& spatial_shapes,
+                                const Tensor& level_start_index,
+                                const Tensor& reference_points,
+                                const Tensor& sampling_offsets,
+                                const Tensor& attention_logits, std::string_view backend,
                                 std::optional<bool> deterministic,
-                                at::OptionalIntArrayRef spatial_shapes_list) {
+                                const IntListOpt& spatial_shapes_list) {
   auto [loc, weights] = fused_locations_and_weights(spatial_shapes, reference_points,
                                                     sampling_offsets, attention_logits, s);
-  return call_forward(value, spatial_shapes, level_start_index, loc, weights, backend,
-                      deterministic, spatial_shapes_list);
+  return call_op("ms_deform_attn::ms_deform_attn", "", value, spatial_shapes, level_start_index,
+                 loc, weights, std::string(backend), deterministic, spatial_shapes_list);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_formed(
-    const FusedSizes& s, const at::Tensor& grad_output, const at::Tensor& value,
-    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-    const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
-    const at::Tensor& attention_logits, bool deterministic, bool ref_grad) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_backward_formed(
+    const FusedSizes& s, const Tensor& grad_output, const Tensor& value,
+    const Tensor& spatial_shapes, const Tensor& level_start_index,
+    const Tensor& reference_points, const Tensor& sampling_offsets,
+    const Tensor& attention_logits, bool deterministic, bool ref_grad) {
   auto [loc, weights] = fused_locations_and_weights(spatial_shapes, reference_points,
                                                     sampling_offsets, attention_logits, s);
-  auto [grad_value, grad_loc, grad_weights] = call_backward(
-      grad_output, value, spatial_shapes, level_start_index, loc, weights, deterministic);
+  auto [grad_value, grad_loc, grad_weights] = call_op<std::tuple<Tensor, Tensor, Tensor>>(
+      "ms_deform_attn::_ms_deform_attn_backward", "", grad_output, value, spatial_shapes,
+      level_start_index, loc, weights, deterministic);
   auto [grad_ref, grad_off, grad_logits] =
       fused_input_grads(spatial_shapes, reference_points, sampling_offsets, attention_logits,
                         weights, grad_loc, grad_weights, s, ref_grad);
   return {grad_value, grad_off, grad_logits, grad_ref};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads_formed(
-    const FusedSizes& s, const at::Tensor& grad_output, const at::Tensor& value,
-    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-    const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
-    const at::Tensor& attention_logits, bool deterministic) {
+std::tuple<Tensor, Tensor, Tensor> fused_input_grads_formed(
+    const FusedSizes& s, const Tensor& grad_output, const Tensor& value,
+    const Tensor& spatial_shapes, const Tensor& level_start_index,
+    const Tensor& reference_points, const Tensor& sampling_offsets,
+    const Tensor& attention_logits, bool deterministic) {
   auto [grad_value, grad_off, grad_logits, unused] =
       fused_backward_formed(s, grad_output, value, spatial_shapes, level_start_index,
                             reference_points, sampling_offsets, attention_logits, deterministic,
@@ -204,13 +224,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads_formed(
 
 namespace {
 
-at::Tensor fused_forward_composite(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                   const at::Tensor& level_start_index,
-                                   const at::Tensor& reference_points,
-                                   const at::Tensor& sampling_offsets,
-                                   const at::Tensor& attention_logits, c10::string_view backend,
+Tensor fused_forward_composite(const Tensor& value, const Tensor& spatial_shapes,
+                                   const Tensor& level_start_index,
+                                   const Tensor& reference_points,
+                                   const Tensor& sampling_offsets,
+                                   const Tensor& attention_logits, std::string_view backend,
                                    std::optional<bool> deterministic,
-                                   at::OptionalIntArrayRef spatial_shapes_list) {
+                                   const IntListOpt& spatial_shapes_list) {
   const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
                                           sampling_offsets, attention_logits);
   return fused_forward_formed(s, value, spatial_shapes, level_start_index, reference_points,
@@ -218,10 +238,10 @@ at::Tensor fused_forward_composite(const at::Tensor& value, const at::Tensor& sp
                               spatial_shapes_list);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_composite(
-    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
-    const at::Tensor& level_start_index, const at::Tensor& reference_points,
-    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic) {
+std::tuple<Tensor, Tensor, Tensor> fused_backward_composite(
+    const Tensor& grad_output, const Tensor& value, const Tensor& spatial_shapes,
+    const Tensor& level_start_index, const Tensor& reference_points,
+    const Tensor& sampling_offsets, const Tensor& attention_logits, bool deterministic) {
   const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
                                           sampling_offsets, attention_logits);
   return fused_input_grads_formed(s, grad_output, value, spatial_shapes, level_start_index,
@@ -231,10 +251,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_backward_composite(
 
 // The backward with the reference points' gradient (its sums over heads
 // and points by ATen ops, on every device).
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_ref_composite(
-    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
-    const at::Tensor& level_start_index, const at::Tensor& reference_points,
-    const at::Tensor& sampling_offsets, const at::Tensor& attention_logits, bool deterministic) {
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_backward_ref_composite(
+    const Tensor& grad_output, const Tensor& value, const Tensor& spatial_shapes,
+    const Tensor& level_start_index, const Tensor& reference_points,
+    const Tensor& sampling_offsets, const Tensor& attention_logits, bool deterministic) {
   const FusedSizes s = check_fused_inputs(value, spatial_shapes, reference_points,
                                           sampling_offsets, attention_logits);
   return fused_backward_formed(s, grad_output, value, spatial_shapes, level_start_index,
@@ -249,8 +269,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_ref_co
 // Every device; CUDA registers its own kernels (cuda/msda_cuda.cpp), which
 // form the locations and weights inside the baseline forward and the sorted
 // backward.
-TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
-  m.impl("ms_deform_attn_fused", &msda::fused_forward_composite);
-  m.impl("_ms_deform_attn_fused_backward", &msda::fused_backward_composite);
-  m.impl("_ms_deform_attn_fused_backward_ref", &msda::fused_backward_ref_composite);
+STABLE_TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
+  m.impl("ms_deform_attn_fused", TORCH_BOX(&msda::fused_forward_composite));
+  m.impl("_ms_deform_attn_fused_backward", TORCH_BOX(&msda::fused_backward_composite));
+  m.impl("_ms_deform_attn_fused_backward_ref", TORCH_BOX(&msda::fused_backward_ref_composite));
 }

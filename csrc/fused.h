@@ -6,59 +6,58 @@
 // (_ms_deform_attn_fused_backward) forms them again.
 #pragma once
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/OptionalArrayRef.h>
-#include <c10/util/string_view.h>
-
 #include <optional>
+#include <string_view>
 #include <tuple>
+
+#include "tensor.h"
 
 namespace msda {
 
 // Sizes of a fused call, checked: value (N, S, M, D), reference_points
 // (N, Lq, L, 2) points or (N, Lq, L, 4) boxes (cx, cy, w, h),
 // sampling_offsets (N, Lq, M, L, P, 2), attention_logits (N, Lq, M, L P) or
-// (N, Lq, M, L, P). Bad input throws c10::Error naming the argument, the
+// (N, Lq, M, L, P). Bad input throws an error naming the argument, the
 // expected and the actual value.
 struct FusedSizes {
   int64_t N, Lq, M, L, P;
   bool boxes;
-  at::ScalarType coord;  // of the locations and weights: fp64 for fp64 values, else fp32
+  ScalarType coord;  // of the locations and weights: fp64 for fp64 values, else fp32
 };
-FusedSizes check_fused_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                              const at::Tensor& reference_points,
-                              const at::Tensor& sampling_offsets,
-                              const at::Tensor& attention_logits);
+FusedSizes check_fused_inputs(const Tensor& value, const Tensor& spatial_shapes,
+                              const Tensor& reference_points,
+                              const Tensor& sampling_offsets,
+                              const Tensor& attention_logits);
 
-// The forward from ATen ops, on inputs check_fused_inputs() passed as s: the
+// The forward from ATen ops (through the dispatcher), on inputs check_fused_inputs() passed as s: the
 // locations and weights formed as tensors, then ms_deform_attn (every
 // device; the CUDA kernel's fallback where the baseline kernel does not form
 // them itself).
-at::Tensor fused_forward_formed(const FusedSizes& s, const at::Tensor& value,
-                                const at::Tensor& spatial_shapes,
-                                const at::Tensor& level_start_index,
-                                const at::Tensor& reference_points,
-                                const at::Tensor& sampling_offsets,
-                                const at::Tensor& attention_logits, c10::string_view backend,
+Tensor fused_forward_formed(const FusedSizes& s, const Tensor& value,
+                                const Tensor& spatial_shapes,
+                                const Tensor& level_start_index,
+                                const Tensor& reference_points,
+                                const Tensor& sampling_offsets,
+                                const Tensor& attention_logits, std::string_view backend,
                                 std::optional<bool> deterministic,
-                                at::OptionalIntArrayRef spatial_shapes_list);
+                                const IntListOpt& spatial_shapes_list);
 
 // The backward likewise: locations and weights formed again, then
 // _ms_deform_attn_backward and the chain rule (fused_input_grads). Returns
 // grad_value, grad_sampling_offsets, grad_attention_logits and (only when
 // `ref_grad`; undefined otherwise) grad_reference_points.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_backward_formed(
-    const FusedSizes& s, const at::Tensor& grad_output, const at::Tensor& value,
-    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-    const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
-    const at::Tensor& attention_logits, bool deterministic, bool ref_grad);
+std::tuple<Tensor, Tensor, Tensor, Tensor> fused_backward_formed(
+    const FusedSizes& s, const Tensor& grad_output, const Tensor& value,
+    const Tensor& spatial_shapes, const Tensor& level_start_index,
+    const Tensor& reference_points, const Tensor& sampling_offsets,
+    const Tensor& attention_logits, bool deterministic, bool ref_grad);
 
 // fused_backward_formed without the reference points' gradient: the three
 // gradients _ms_deform_attn_fused_backward returns.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> fused_input_grads_formed(
-    const FusedSizes& s, const at::Tensor& grad_output, const at::Tensor& value,
-    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-    const at::Tensor& reference_points, const at::Tensor& sampling_offsets,
-    const at::Tensor& attention_logits, bool deterministic);
+std::tuple<Tensor, Tensor, Tensor> fused_input_grads_formed(
+    const FusedSizes& s, const Tensor& grad_output, const Tensor& value,
+    const Tensor& spatial_shapes, const Tensor& level_start_index,
+    const Tensor& reference_points, const Tensor& sampling_offsets,
+    const Tensor& attention_logits, bool deterministic);
 
 }  // namespace msda

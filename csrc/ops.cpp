@@ -1,15 +1,13 @@
 // The operator's schemas and the backend queries. Kernels are registered
 // per dispatch key in cpu/, cuda/ and fused.cpp (_linear's forward,
-// at::linear, here); autograd, autocast and the public C++ API are the
-// version-bound layer's (ms_deform_attn/share/ms_deform_attn/src/).
-#include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
+// aten::linear, here); autograd, autocast and the public C++ API are the
+// version-bound layer's (ms_deform_attn/share/ms_deform_attn/src/). All of
+// it through LibTorch's stable ABI (tensor.h).
 
 #include "backend_queries.h"
 #include "cuda_archs.h"
 #include "plan/backward_plan.h"
-#include "ms_deform_attn/ms_deform_attn.h"
+#include "ms_deform_attn/version.h"
 #include "validation.h"
 
 namespace msda {
@@ -19,9 +17,9 @@ namespace {
 // A device described by the caller, [major, minor, sms, smem_optin,
 // smem_per_sm, smem_reserved] (DeviceInfo's fields): the queries' way to ask
 // the planners about a device that is not there.
-std::optional<DeviceInfo> described_device(at::OptionalIntArrayRef device) {
+std::optional<DeviceInfo> described_device(const IntListOpt& device) {
   if (!device.has_value()) return std::nullopt;
-  TORCH_CHECK(device->size() == 6, "ms_deform_attn: device must be [major, minor, sms, "
+  MSDA_CHECK(device->size() == 6, "ms_deform_attn: device must be [major, minor, sms, "
               "smem_optin, smem_per_sm, smem_reserved], got ", device->size(), " numbers");
   const auto& v = *device;
   DeviceInfo d;
@@ -35,20 +33,20 @@ std::optional<DeviceInfo> described_device(at::OptionalIntArrayRef device) {
 }
 
 // The queries validate the inputs (no copies) and ask the planners.
-ForwardProblem checked_problem(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                               const at::Tensor& level_start_index,
-                               const at::Tensor& sampling_locations,
-                               const at::Tensor& attention_weights, c10::string_view backend,
-                               at::OptionalIntArrayRef spatial_shapes_list, bool fused = false) {
+ForwardProblem checked_problem(const Tensor& value, const Tensor& spatial_shapes,
+                               const Tensor& level_start_index,
+                               const Tensor& sampling_locations,
+                               const Tensor& attention_weights, std::string_view backend,
+                               const IntListOpt& spatial_shapes_list, bool fused = false) {
   const Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                  attention_weights, backend, spatial_shapes_list);
   return forward_problem(c.pb, value.data_ptr(), fused);
 }
 
-std::string select(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                   const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                   const at::Tensor& attention_weights,
-                   at::OptionalIntArrayRef spatial_shapes_list) {
+std::string select(const Tensor& value, const Tensor& spatial_shapes,
+                   const Tensor& level_start_index, const Tensor& sampling_locations,
+                   const Tensor& attention_weights,
+                   const IntListOpt& spatial_shapes_list) {
   const ForwardProblem p = checked_problem(value, spatial_shapes, level_start_index,
                                            sampling_locations, attention_weights, "auto",
                                            spatial_shapes_list);
@@ -57,22 +55,22 @@ std::string select(const at::Tensor& value, const at::Tensor& spatial_shapes,
 
 // The forward's plan for these inputs as "backend=... composite=... ..."
 // (plan/forward_plan.h), on value's device or on the one `device` describes.
-std::string forward_plan_text(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                              const at::Tensor& level_start_index,
-                              const at::Tensor& sampling_locations,
-                              const at::Tensor& attention_weights,
-                              at::OptionalIntArrayRef spatial_shapes_list, bool fused,
-                              c10::string_view backend, at::OptionalIntArrayRef device) {
+std::string forward_plan_text(const Tensor& value, const Tensor& spatial_shapes,
+                              const Tensor& level_start_index,
+                              const Tensor& sampling_locations,
+                              const Tensor& attention_weights,
+                              const IntListOpt& spatial_shapes_list, bool fused,
+                              std::string_view backend, const IntListOpt& device) {
   const ForwardProblem p = checked_problem(value, spatial_shapes, level_start_index,
                                            sampling_locations, attention_weights, backend,
                                            spatial_shapes_list, fused);
   return to_string(forward_plan(p, value.device(), backend, described_device(device)));
 }
 
-std::string reason(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                   const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                   const at::Tensor& attention_weights, c10::string_view backend,
-                   at::OptionalIntArrayRef spatial_shapes_list) {
+std::string reason(const Tensor& value, const Tensor& spatial_shapes,
+                   const Tensor& level_start_index, const Tensor& sampling_locations,
+                   const Tensor& attention_weights, std::string_view backend,
+                   const IntListOpt& spatial_shapes_list) {
   const ForwardProblem p = checked_problem(value, spatial_shapes, level_start_index,
                                            sampling_locations, attention_weights, backend,
                                            spatial_shapes_list);
@@ -85,10 +83,10 @@ std::string reason(const at::Tensor& value, const at::Tensor& spatial_shapes,
 // an H100 (DeviceInfo's defaults); `sms` > 0 replaces its SM count.
 // grad_output is taken as contiguous and 32-byte aligned, as autograd hands
 // it over.
-std::string backward_path(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                          const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                          const at::Tensor& attention_weights, bool fused, bool deterministic,
-                          c10::string_view grad_value, int64_t sms, at::OptionalIntArrayRef device) {
+std::string backward_path(const Tensor& value, const Tensor& spatial_shapes,
+                          const Tensor& level_start_index, const Tensor& sampling_locations,
+                          const Tensor& attention_weights, bool fused, bool deterministic,
+                          std::string_view grad_value, int64_t sms, const IntListOpt& device) {
   const Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                  attention_weights, "auto", std::nullopt);
   BackwardProblem p;
@@ -100,7 +98,7 @@ std::string backward_path(const at::Tensor& value, const at::Tensor& spatial_sha
   if (auto described = described_device(device)) {
     d = *described;
   } else if (value.is_cuda()) {
-    if (auto info = cuda_device_info(value.get_device())) d = *info;
+    if (auto info = cuda_device_info(value.get_device_index())) d = *info;
   }
   if (sms > 0) d.sms = static_cast<int>(sms);
   BackwardWishes w;
@@ -109,10 +107,32 @@ std::string backward_path(const at::Tensor& value, const at::Tensor& spatial_sha
   return to_string(plan_backward(p, d, w));
 }
 
+// _linear's forward on every device: torch's linear. What differs from it is
+// its autograd (share/ms_deform_attn/src/autograd.cpp), whose bias gradient
+// is _column_sum.
+Tensor linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
+  return call_op("aten::linear", "", input, weight, bias);
+}
+
+// Whether this build has the CUDA kernels (setup.py defines MSDA_WITH_CUDA).
+bool built_with_cuda() {
+#ifdef MSDA_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::string image_error(std::string_view archs, int64_t major, int64_t minor,
+                        std::string_view device) {
+  return kernel_image_error(std::string(archs), static_cast<int>(major), static_cast<int>(minor),
+                            std::string(device));
+}
+
 }  // namespace
 }  // namespace msda
 
-TORCH_LIBRARY(ms_deform_attn, m) {
+STABLE_TORCH_LIBRARY(ms_deform_attn, m) {
   m.def(
       "ms_deform_attn(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, str backend=\"auto\", "
@@ -138,59 +158,48 @@ TORCH_LIBRARY(ms_deform_attn, m) {
       "Tensor spatial_shapes, Tensor level_start_index, Tensor reference_points, "
       "Tensor sampling_offsets, Tensor attention_logits, bool deterministic=False) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
-  // The attention layers' linears: at::linear, with a backward whose bias
+  // The attention layers' linears: aten::linear, with a backward whose bias
   // gradient is _column_sum (torch's sum over the rows of a tall, narrow
   // gradient runs far below the copy rate). Not for general use.
   m.def("_linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   // grad summed over every dimension but the last, in grad's dtype.
   m.def("_column_sum(Tensor grad) -> Tensor");
   // Host-side queries: no tensors out, never traced.
-  m.def("_available_backends(Device device) -> str[]", &msda::available_backends);
+  m.def("_available_backends(Device device) -> str[]");
   m.def(
       "_select_backend(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
-      "Tensor sampling_locations, Tensor attention_weights, int[]? spatial_shapes_list=None) -> str",
-      &msda::select);
+      "Tensor sampling_locations, Tensor attention_weights, int[]? spatial_shapes_list=None) -> str");
   m.def(
       "_backend_reason(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, str backend, "
-      "int[]? spatial_shapes_list=None) -> str",
-      &msda::reason);
+      "int[]? spatial_shapes_list=None) -> str");
   m.def(
       "_select_forward_plan(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, int[]? spatial_shapes_list=None, "
-      "bool fused=False, str backend=\"auto\", int[]? device=None) -> str",
-      &msda::forward_plan_text);
-  // Whether this build has the CUDA kernels (setup.py defines MSDA_WITH_CUDA).
-  m.def("_built_with_cuda() -> bool", [] {
-#ifdef MSDA_WITH_CUDA
-    return true;
-#else
-    return false;
-#endif
-  });
+      "bool fused=False, str backend=\"auto\", int[]? device=None) -> str");
+  m.def("_built_with_cuda() -> bool");
   // TORCH_CUDA_ARCH_LIST of the build ("" without CUDA kernels), and the
   // error a device of compute capability major.minor gets ("" if it runs them).
-  m.def("_cuda_archs() -> str", &msda::cuda_archs);
-  m.def("_kernel_image_error(str archs, int major, int minor, str device) -> str",
-        [](c10::string_view archs, int64_t major, int64_t minor, c10::string_view device) {
-          return msda::kernel_image_error(std::string(archs), static_cast<int>(major),
-                                          static_cast<int>(minor), std::string(device));
-        });
+  m.def("_cuda_archs() -> str");
+  m.def("_kernel_image_error(str archs, int major, int minor, str device) -> str");
   m.def(
       "_select_backward_path(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, bool fused=False, "
-      "bool deterministic=False, str grad_value=\"auto\", int sms=-1, int[]? device=None) -> str",
-      &msda::backward_path);
+      "bool deterministic=False, str grad_value=\"auto\", int sms=-1, int[]? device=None) -> str");
 }
 
-// _linear's forward on every device: torch's linear. What differs from it is
-// its autograd (share/ms_deform_attn/src/autograd.cpp), whose bias gradient
-// is _column_sum.
-TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
-  m.impl("_linear", [](const at::Tensor& input, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& bias) {
-    return at::linear(input, weight, bias);
-  });
+// The host queries and _linear, for every device: CompositeExplicitAutograd
+// kernels also serve calls without tensor arguments.
+STABLE_TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
+  m.impl("_linear", TORCH_BOX(&msda::linear));
+  m.impl("_available_backends", TORCH_BOX(&msda::available_backends));
+  m.impl("_select_backend", TORCH_BOX(&msda::select));
+  m.impl("_backend_reason", TORCH_BOX(&msda::reason));
+  m.impl("_select_forward_plan", TORCH_BOX(&msda::forward_plan_text));
+  m.impl("_built_with_cuda", TORCH_BOX(&msda::built_with_cuda));
+  m.impl("_cuda_archs", TORCH_BOX(&msda::cuda_archs));
+  m.impl("_kernel_image_error", TORCH_BOX(&msda::image_error));
+  m.impl("_select_backward_path", TORCH_BOX(&msda::backward_path));
 }
 
 // The library's version (MS_DEFORM_ATTN_VERSION of its build), for the

@@ -1,32 +1,30 @@
 // Allocation of the tensors the kernels write.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <limits>
 #include <vector>
 
 #include "overrides.h"
 #include "params.h"
+#include "tensor.h"
 
 namespace msda {
 
 // An output the kernels fill completely; NaN-filled first under
 // MS_DEFORM_ATTN_POISON=1 (the test suite sets it, overrides.h).
-inline at::Tensor new_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  if (poison_outputs()) return at::full(sizes, std::numeric_limits<double>::quiet_NaN(), options);
-  return at::empty(sizes, options);
+inline Tensor new_output(const Shape& sizes, ScalarType dtype, const Device& device) {
+  if (poison_outputs()) return full(sizes, std::numeric_limits<double>::quiet_NaN(), dtype, device);
+  return empty(sizes, dtype, device);
 }
 
 // A tensor of value's shape (N, S, M, D) and layout (pb.value_head_major:
 // the transposed view of a contiguous (N, M, S, D) one), for grad_value and
 // its accumulator: zeroed, or an output the kernels fill completely.
-inline at::Tensor value_shaped(const Problem& pb, const at::TensorOptions& options, bool zeroed) {
+inline Tensor value_shaped(const Problem& pb, ScalarType dtype, const Device& device, bool zeroed) {
   const bool hm = pb.value_head_major;
-  const std::vector<int64_t> sizes = hm ? std::vector<int64_t>{pb.N, pb.M, pb.S, pb.D}
-                                        : std::vector<int64_t>{pb.N, pb.S, pb.M, pb.D};
-  at::Tensor t = zeroed ? at::zeros(sizes, options) : new_output(sizes, options);
-  return hm ? t.transpose(1, 2) : t;
+  const Shape sizes = hm ? Shape{pb.N, pb.M, pb.S, pb.D} : Shape{pb.N, pb.S, pb.M, pb.D};
+  Tensor t = zeroed ? zeros(sizes, dtype, device) : new_output(sizes, dtype, device);
+  return hm ? transpose(t, 1, 2) : t;
 }
 
 }  // namespace msda

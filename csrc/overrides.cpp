@@ -1,7 +1,7 @@
 // The environment overrides (overrides.h).
 #include "overrides.h"
 
-#include <c10/util/Exception.h>
+#include "check.h"
 
 #include <cstdlib>
 
@@ -24,8 +24,8 @@ GradValueRequest grad_value_override() {
   const std::string v = env("MS_DEFORM_ATTN_GRAD_VALUE");
   try {
     return parse_grad_value_request(v);
-  } catch (const c10::Error&) {
-    TORCH_CHECK(false, "ms_deform_attn: MS_DEFORM_ATTN_GRAD_VALUE must be 'auto', 'atomic', "
+  } catch (const std::runtime_error&) {
+    MSDA_CHECK(false, "ms_deform_attn: MS_DEFORM_ATTN_GRAD_VALUE must be 'auto', 'atomic', "
                 "'sorted' or 'local', got '", v, "'");
   }
 }
@@ -35,7 +35,7 @@ BlockedRows blocked_rows_override() {
   if (v.empty() || v == "auto") return BlockedRows::automatic;
   if (v == "shared") return BlockedRows::shared;
   if (v == "lane") return BlockedRows::lane;
-  TORCH_CHECK(false, "ms_deform_attn: MS_DEFORM_ATTN_BLOCKED_ROWS must be 'auto', 'shared' or "
+  MSDA_CHECK(false, "ms_deform_attn: MS_DEFORM_ATTN_BLOCKED_ROWS must be 'auto', 'shared' or "
               "'lane', got '", v, "'");
 }
 

@@ -20,41 +20,41 @@ void check_levels(const int64_t* hw, const int64_t* starts, const char* source, 
   int64_t total = 0;
   for (int l = 0; l < pb.L; ++l) {
     const int64_t H = hw[2 * l], W = hw[2 * l + 1];
-    TORCH_CHECK(H > 0 && W > 0, kOp, source, "[", l, "] = (", H, ", ", W,
+    MSDA_CHECK(H > 0 && W > 0, kOp, source, "[", l, "] = (", H, ", ", W,
                 ") must be positive (H, W)");
-    TORCH_CHECK(H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX, kOp, source, "[", l,
+    MSDA_CHECK(H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX, kOp, source, "[", l,
                 "] = (", H, ", ", W, "): H * W must be < 2^31");
-    TORCH_CHECK(starts == nullptr || starts[l] == total, kOp, "level_start_index[", l,
+    MSDA_CHECK(starts == nullptr || starts[l] == total, kOp, "level_start_index[", l,
                 "] must be the exclusive cumulative sum of H * W, expected ", total, ", got ",
                 starts == nullptr ? 0 : starts[l]);
     total += H * W;
   }
-  TORCH_CHECK(total == pb.S, kOp, "value.size(1) (S) must equal the sum of H * W over the levels of ",
+  MSDA_CHECK(total == pb.S, kOp, "value.size(1) (S) must equal the sum of H * W over the levels of ",
               source, " = ", total, ", got ", pb.S);
 }
 
-void check_host_tensors(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+void check_host_tensors(const Tensor& spatial_shapes, const Tensor& level_start_index,
                         const Problem& pb) {
-  const auto shapes = spatial_shapes.contiguous();
-  const auto starts = level_start_index.contiguous();
-  check_levels(shapes.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), "spatial_shapes", pb);
+  const auto shapes = make_contiguous(spatial_shapes);
+  const auto starts = make_contiguous(level_start_index);
+  check_levels(shapes.mutable_data_ptr<int64_t>(), starts.mutable_data_ptr<int64_t>(), "spatial_shapes", pb);
 }
 
 // spatial_shapes_list: one (H, W) pair per level covering S, equal to
 // spatial_shapes when that is a host tensor (no sync). On CUDA the tma
 // backend follows spatial_shapes on any level where a device tensor
 // disagrees with the list, so a wrong list never reads out of bounds.
-std::vector<int64_t> check_list(at::IntArrayRef list, const at::Tensor& spatial_shapes,
+std::vector<int64_t> check_list(const std::vector<int64_t>& list, const Tensor& spatial_shapes,
                                 const Problem& pb) {
-  TORCH_CHECK(static_cast<int64_t>(list.size()) == 2 * pb.L, kOp,
+  MSDA_CHECK(static_cast<int64_t>(list.size()) == 2 * pb.L, kOp,
               "spatial_shapes_list must hold one (H, W) pair per level, ", 2 * pb.L,
               " numbers for spatial_shapes.size(0) = ", pb.L, " levels, got ", list.size());
   check_levels(list.data(), nullptr, "spatial_shapes_list", pb);
   if (spatial_shapes.device().is_cpu()) {
-    const auto shapes = spatial_shapes.contiguous();
-    const int64_t* sh = shapes.data_ptr<int64_t>();
+    const auto shapes = make_contiguous(spatial_shapes);
+    const int64_t* sh = shapes.mutable_data_ptr<int64_t>();
     for (int l = 0; l < pb.L; ++l) {
-      TORCH_CHECK(sh[2 * l] == list[2 * l] && sh[2 * l + 1] == list[2 * l + 1], kOp,
+      MSDA_CHECK(sh[2 * l] == list[2 * l] && sh[2 * l + 1] == list[2 * l + 1], kOp,
                   "spatial_shapes_list[", l, "] = (", list[2 * l], ", ", list[2 * l + 1],
                   ") must equal spatial_shapes[", l, "] = (", sh[2 * l], ", ", sh[2 * l + 1], ")");
     }
@@ -62,60 +62,61 @@ std::vector<int64_t> check_list(at::IntArrayRef list, const at::Tensor& spatial_
   return std::vector<int64_t>(list.begin(), list.end());
 }
 
-void check_rank(const at::Tensor& t, const char* name, int64_t rank, const char* layout) {
-  TORCH_CHECK(t.dim() == rank, kOp, name, " must have ", rank, " dimensions ", layout,
-              ", got ", t.dim(), " (shape ", t.sizes(), ")");
+void check_rank(const Tensor& t, const char* name, int64_t rank, const char* layout) {
+  MSDA_CHECK(t.dim() == rank, kOp, name, " must have ", rank, " dimensions ", layout,
+              ", got ", t.dim(), " (shape ", shape_str(t), ")");
 }
 
-void check_size(const at::Tensor& t, const char* name, int64_t dim, const char* what,
+void check_size(const Tensor& t, const char* name, int64_t dim, const char* what,
                 int64_t expected, const char* source) {
-  TORCH_CHECK(t.size(dim) == expected, kOp, name, ".size(", dim, ") (", what, ") must equal ",
+  MSDA_CHECK(t.size(dim) == expected, kOp, name, ".size(", dim, ") (", what, ") must equal ",
               source, " = ", expected, ", got ", t.size(dim));
 }
 
-bool is_float_kind(at::ScalarType t) {
-  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+bool is_float_kind(ScalarType t) {
+  return t == kFloat || t == kHalf || t == kBFloat16 || t == kDouble;
 }
 
-void check_loc_dtype(const at::Tensor& t, const char* name, at::ScalarType vt) {
-  TORCH_CHECK(t.scalar_type() == vt || t.scalar_type() == at::kFloat, kOp, name,
-              " must have the value's dtype (", vt, ") or float32, got ", t.scalar_type());
+void check_loc_dtype(const Tensor& t, const char* name, ScalarType vt) {
+  MSDA_CHECK(t.scalar_type() == vt || t.scalar_type() == kFloat, kOp, name,
+              " must have the value's dtype (", dtype_name(vt), ") or float32, got ",
+             dtype_name(t.scalar_type()));
 }
 
 // Wider of two floating dtypes among {value dtype, float32}.
-at::ScalarType wider(at::ScalarType a, at::ScalarType b) {
+ScalarType wider(ScalarType a, ScalarType b) {
   if (a == b) return a;
-  if (a == at::kDouble || b == at::kDouble) return at::kDouble;
-  return at::kFloat;  // one of them is fp32, the other 16-bit
+  if (a == kDouble || b == kDouble) return kDouble;
+  return kFloat;  // one of them is fp32, the other 16-bit
 }
 
 }  // namespace
 
-DType to_dtype(at::ScalarType t) {
+DType to_dtype(ScalarType t) {
   switch (t) {
-    case at::kFloat: return DType::f32;
-    case at::kHalf: return DType::f16;
-    case at::kBFloat16: return DType::bf16;
-    case at::kDouble: return DType::f64;
-    default: TORCH_CHECK(false, kOp, "unsupported dtype ", t);
+    case kFloat: return DType::f32;
+    case kHalf: return DType::f16;
+    case kBFloat16: return DType::bf16;
+    case kDouble: return DType::f64;
+    default: MSDA_CHECK(false, kOp, "unsupported dtype ", dtype_name(t));
   }
 }
 
-ColumnSumSizes check_column_sum(const at::Tensor& grad) {
-  TORCH_CHECK(grad.dim() >= 1, "ms_deform_attn._column_sum: grad must have at least 1 dimension, got ",
+ColumnSumSizes check_column_sum(const Tensor& grad) {
+  MSDA_CHECK(grad.dim() >= 1, "ms_deform_attn._column_sum: grad must have at least 1 dimension, got ",
               grad.dim());
   const auto t = grad.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble,
+  MSDA_CHECK(t == kFloat || t == kHalf || t == kBFloat16 || t == kDouble,
               "ms_deform_attn._column_sum: grad must be float32, float16, bfloat16 or float64, got ",
-              t);
-  const int64_t cols = grad.size(-1);
+              dtype_name(t));
+  const int64_t cols = grad.size(grad.dim() - 1);
   return {cols == 0 ? 0 : grad.numel() / cols, cols};
 }
 
-Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                     const at::Tensor& attention_weights, c10::string_view backend,
-                     at::OptionalIntArrayRef spatial_shapes_list) {
+Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
+                     const Tensor& level_start_index, const Tensor& sampling_locations,
+                     const Tensor& attention_weights, std::string_view backend,
+                     const IntListOpt& spatial_shapes_list) {
   check_backend_name(backend);
 
   // Ranks.
@@ -127,25 +128,26 @@ Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
 
   // Devices.
   const auto dev = value.device();
-  const std::pair<const at::Tensor*, const char*> others[] = {
+  const std::pair<const Tensor*, const char*> others[] = {
       {&spatial_shapes, "spatial_shapes"},
       {&level_start_index, "level_start_index"},
       {&sampling_locations, "sampling_locations"},
       {&attention_weights, "attention_weights"}};
   for (const auto& [t, name] : others) {
-    TORCH_CHECK(t->device() == dev, kOp, name, " must be on the same device as value (", dev,
-                "), got ", t->device());
+    MSDA_CHECK(t->device() == dev, kOp, name, " must be on the same device as value (",
+               device_name(dev), "), got ", device_name(t->device()));
   }
 
   // Dtypes.
   const auto vt = value.scalar_type();
-  TORCH_CHECK(is_float_kind(vt), kOp,
-              "value must be float32, float16, bfloat16 or float64, got ", vt);
-  TORCH_CHECK(spatial_shapes.scalar_type() == at::kLong, kOp,
-              "spatial_shapes must be int64 (torch.long), got ", spatial_shapes.scalar_type());
-  TORCH_CHECK(level_start_index.scalar_type() == at::kLong, kOp,
+  MSDA_CHECK(is_float_kind(vt), kOp,
+              "value must be float32, float16, bfloat16 or float64, got ", dtype_name(vt));
+  MSDA_CHECK(spatial_shapes.scalar_type() == kLong, kOp,
+              "spatial_shapes must be int64 (torch.long), got ",
+             dtype_name(spatial_shapes.scalar_type()));
+  MSDA_CHECK(level_start_index.scalar_type() == kLong, kOp,
               "level_start_index must be int64 (torch.long), got ",
-              level_start_index.scalar_type());
+              dtype_name(level_start_index.scalar_type()));
   check_loc_dtype(sampling_locations, "sampling_locations", vt);
   check_loc_dtype(attention_weights, "attention_weights", vt);
 
@@ -160,27 +162,27 @@ Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
   pb.L = static_cast<int>(spatial_shapes.size(0));
   pb.Lq = sampling_locations.size(1);
   pb.P = static_cast<int>(sampling_locations.size(4));
-  TORCH_CHECK(spatial_shapes.size(1) == 2, kOp,
+  MSDA_CHECK(spatial_shapes.size(1) == 2, kOp,
               "spatial_shapes.size(1) must be 2 ((H, W) per level), got ", spatial_shapes.size(1));
-  TORCH_CHECK(pb.L >= 1 && pb.L <= kMaxLevels, kOp, "spatial_shapes.size(0) (levels) must be in [1, ",
+  MSDA_CHECK(pb.L >= 1 && pb.L <= kMaxLevels, kOp, "spatial_shapes.size(0) (levels) must be in [1, ",
               kMaxLevels, "], got ", spatial_shapes.size(0));
   // Every level has a pixel: the kernels rely on S >= L (a device-side level
   // table that fails its check reads pixel 0 of each level).
-  TORCH_CHECK(pb.S >= pb.L, kOp, "value.size(1) (S) must be at least the number of levels (",
+  MSDA_CHECK(pb.S >= pb.L, kOp, "value.size(1) (S) must be at least the number of levels (",
               pb.L, "), every level having H * W >= 1 pixels, got ", pb.S);
-  TORCH_CHECK(pb.M >= 1, kOp, "value.size(2) (heads M) must be >= 1, got ", pb.M);
-  TORCH_CHECK(pb.D >= 1, kOp, "value.size(3) (channels D) must be >= 1, got ", pb.D);
-  TORCH_CHECK(pb.P >= 1, kOp, "sampling_locations.size(4) (points P) must be >= 1, got ", pb.P);
-  TORCH_CHECK(pb.M * pb.D <= INT32_MAX, kOp, "value.size(2) * value.size(3) (M * D) must be < 2^31, got ",
+  MSDA_CHECK(pb.M >= 1, kOp, "value.size(2) (heads M) must be >= 1, got ", pb.M);
+  MSDA_CHECK(pb.D >= 1, kOp, "value.size(3) (channels D) must be >= 1, got ", pb.D);
+  MSDA_CHECK(pb.P >= 1, kOp, "sampling_locations.size(4) (points P) must be >= 1, got ", pb.P);
+  MSDA_CHECK(pb.M * pb.D <= INT32_MAX, kOp, "value.size(2) * value.size(3) (M * D) must be < 2^31, got ",
               pb.M * pb.D);
-  TORCH_CHECK(pb.M * pb.D * value.element_size() <= UINT32_MAX, kOp,
+  MSDA_CHECK(pb.M * pb.D * value.element_size() <= UINT32_MAX, kOp,
               "one pixel of value (M * D * element size) must be < 4 GiB, got ",
               pb.M * pb.D * value.element_size(), " bytes");
   check_size(level_start_index, "level_start_index", 0, "levels L", pb.L, "spatial_shapes.size(0)");
   check_size(sampling_locations, "sampling_locations", 0, "batch N", pb.N, "value.size(0)");
   check_size(sampling_locations, "sampling_locations", 2, "heads M", pb.M, "value.size(2)");
   check_size(sampling_locations, "sampling_locations", 3, "levels L", pb.L, "spatial_shapes.size(0)");
-  TORCH_CHECK(sampling_locations.size(5) == 2, kOp,
+  MSDA_CHECK(sampling_locations.size(5) == 2, kOp,
               "sampling_locations.size(5) must be 2 ((x, y)), got ", sampling_locations.size(5));
   check_size(attention_weights, "attention_weights", 0, "batch N", pb.N, "value.size(0)");
   check_size(attention_weights, "attention_weights", 1, "queries Lq", pb.Lq,
@@ -199,7 +201,8 @@ Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
   if (spatial_shapes.device().is_cpu()) {
     check_host_tensors(spatial_shapes, level_start_index, pb);
   } else if (check_shapes_on_host()) {
-    check_host_tensors(spatial_shapes.cpu(), level_start_index.cpu(), pb);
+    const Device cpu(torch::headeronly::DeviceType::CPU);
+    check_host_tensors(torch::stable::to(spatial_shapes, cpu), torch::stable::to(level_start_index, cpu), pb);
   }
 
   const auto lt = wider(sampling_locations.scalar_type(), attention_weights.scalar_type());
@@ -208,24 +211,24 @@ Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
   return c;
 }
 
-void check_grad_output(const at::Tensor& grad_output, const Problem& pb, const at::Tensor& value) {
-  TORCH_CHECK(grad_output.device() == value.device(), kOp,
-              "grad_output must be on the same device as value (", value.device(), "), got ",
-              grad_output.device());
-  TORCH_CHECK(grad_output.dim() == 3 && grad_output.size(0) == pb.N &&
+void check_grad_output(const Tensor& grad_output, const Problem& pb, const Tensor& value) {
+  MSDA_CHECK(grad_output.device() == value.device(), kOp,
+              "grad_output must be on the same device as value (", device_name(value.device()),
+              "), got ", device_name(grad_output.device()));
+  MSDA_CHECK(grad_output.dim() == 3 && grad_output.size(0) == pb.N &&
                   grad_output.size(1) == pb.Lq && grad_output.size(2) == pb.M * pb.D,
               kOp, "grad_output must have shape (N, Lq, M * D) = (", pb.N, ", ", pb.Lq, ", ",
-              pb.M * pb.D, "), got ", grad_output.sizes());
-  TORCH_CHECK(grad_output.scalar_type() == value.scalar_type(), kOp,
-              "grad_output must have the value's dtype (", value.scalar_type(), "), got ",
-              grad_output.scalar_type());
+              pb.M * pb.D, "), got ", shape_str(grad_output));
+  MSDA_CHECK(grad_output.scalar_type() == value.scalar_type(), kOp,
+              "grad_output must have the value's dtype (", dtype_name(value.scalar_type()),
+              "), got ", dtype_name(grad_output.scalar_type()));
 }
 
-Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                        const at::Tensor& level_start_index,
-                        const at::Tensor& sampling_locations,
-                        const at::Tensor& attention_weights, c10::string_view backend,
-                        at::OptionalIntArrayRef spatial_shapes_list) {
+Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
+                        const Tensor& level_start_index,
+                        const Tensor& sampling_locations,
+                        const Tensor& attention_weights, std::string_view backend,
+                        const IntListOpt& spatial_shapes_list) {
   Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                            attention_weights, backend, spatial_shapes_list);
   Prepared in;
@@ -234,11 +237,11 @@ Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shape
   in.loc_dtype_in = sampling_locations.scalar_type();
   in.attn_dtype_in = attention_weights.scalar_type();
   const auto lt = wider(in.loc_dtype_in, in.attn_dtype_in);
-  in.value = in.pb.value_head_major ? value : value.contiguous();
-  in.spatial_shapes = spatial_shapes.contiguous();
-  in.level_start = level_start_index.contiguous();
-  in.loc = sampling_locations.to(lt).contiguous();
-  in.attn = attention_weights.to(lt).contiguous();
+  in.value = in.pb.value_head_major ? value : make_contiguous(value);
+  in.spatial_shapes = make_contiguous(spatial_shapes);
+  in.level_start = make_contiguous(level_start_index);
+  in.loc = make_contiguous(to(sampling_locations, lt));
+  in.attn = make_contiguous(to(attention_weights, lt));
   return in;
 }
 

@@ -3,13 +3,12 @@
 // wrapper's backward, the backend queries). It never synchronises with a GPU.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "params.h"
+#include "tensor.h"
 
 namespace msda {
 
@@ -21,7 +20,7 @@ struct Checked {
   std::vector<int64_t> host_shapes;
 };
 
-// Validates every argument and raises a c10::Error naming the argument, the
+// Validates every argument and raises an error naming the argument, the
 // expected and the actual value:
 //   ranks, sizes, dtypes and devices of all five tensors;
 //   backend: "auto" or a known backend name (whether it can run the inputs
@@ -34,21 +33,21 @@ struct Checked {
 //     checked by the kernels instead (cuda/device/common.cuh, load_levels: NaN
 //     results), or here at the cost of a sync with MS_DEFORM_ATTN_CHECK_SHAPES=1.
 // Allocates and copies nothing.
-Checked check_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                     const at::Tensor& attention_weights, c10::string_view backend = "auto",
-                     at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
+Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
+                     const Tensor& level_start_index, const Tensor& sampling_locations,
+                     const Tensor& attention_weights, std::string_view backend = "auto",
+                     const IntListOpt& spatial_shapes_list = std::nullopt);
 
 // Checks grad_output (shape (N, Lq, M * D), value's dtype and device).
-void check_grad_output(const at::Tensor& grad_output, const Problem& pb,
-                       const at::Tensor& value);
+void check_grad_output(const Tensor& grad_output, const Problem& pb,
+                       const Tensor& value);
 
 // Whether `value` (rank 4) is head-major: not contiguous as (N, S, M, D),
 // but the transpose(1, 2) view of a contiguous (N, M, S, D) tensor. Such a
 // value is read in place (Problem::value_head_major); any other layout is
 // copied to a contiguous one.
-inline bool value_is_head_major(const at::Tensor& value) {
-  return value.dim() == 4 && !value.is_contiguous() && value.transpose(1, 2).is_contiguous();
+inline bool value_is_head_major(const Tensor& value) {
+  return value.dim() == 4 && !value.is_contiguous() && transpose(value, 1, 2).is_contiguous();
 }
 
 // The operator's inputs after check_inputs(): contiguous (value possibly
@@ -56,24 +55,24 @@ inline bool value_is_head_major(const at::Tensor& value) {
 // the two when the caller mixed them).
 struct Prepared {
   Problem pb;
-  at::Tensor value, spatial_shapes, level_start, loc, attn;
-  at::ScalarType loc_dtype_in, attn_dtype_in;  // what the caller passed
+  Tensor value, spatial_shapes, level_start, loc, attn;
+  ScalarType loc_dtype_in, attn_dtype_in;  // what the caller passed
   std::vector<int64_t> host_shapes;            // see Checked
 };
 
-Prepared prepare_inputs(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                        const at::Tensor& level_start_index,
-                        const at::Tensor& sampling_locations,
-                        const at::Tensor& attention_weights, c10::string_view backend = "auto",
-                        at::OptionalIntArrayRef spatial_shapes_list = std::nullopt);
+Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
+                        const Tensor& level_start_index,
+                        const Tensor& sampling_locations,
+                        const Tensor& attention_weights, std::string_view backend = "auto",
+                        const IntListOpt& spatial_shapes_list = std::nullopt);
 
 // Points a ForwardParams / BackwardParams at the prepared inputs.
 template <typename Params>
 void set_inputs(Params& p, const Prepared& in) {
   p.pb = in.pb;
   p.value = in.value.data_ptr();
-  p.spatial_shapes = in.spatial_shapes.data_ptr<int64_t>();
-  p.level_start = in.level_start.data_ptr<int64_t>();
+  p.spatial_shapes = in.spatial_shapes.mutable_data_ptr<int64_t>();
+  p.level_start = in.level_start.mutable_data_ptr<int64_t>();
   p.loc = in.loc.data_ptr();
   p.attn = in.attn.data_ptr();
   if constexpr (std::is_same_v<Params, ForwardParams>) {
@@ -81,13 +80,13 @@ void set_inputs(Params& p, const Prepared& in) {
   }
 }
 
-DType to_dtype(at::ScalarType t);
+DType to_dtype(ScalarType t);
 
 // _column_sum's argument: a floating tensor of at least one dimension,
 // summed over every dimension but the last (rows: their product).
 struct ColumnSumSizes {
   int64_t rows, cols;
 };
-ColumnSumSizes check_column_sum(const at::Tensor& grad);
+ColumnSumSizes check_column_sum(const Tensor& grad);
 
 }  // namespace msda

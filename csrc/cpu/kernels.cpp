@@ -3,8 +3,8 @@
 // (sampling.h), in the accumulation type of the dtype dispatch.
 #include "kernels.h"
 
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
 
 #include <vector>
 
@@ -117,13 +117,13 @@ void backward_impl(const BackwardParams& p, int64_t begin, int64_t end) {
 }  // namespace
 
 void forward_range(const ForwardParams& p, int64_t begin, int64_t end) {
-  dispatch_dtypes<c10::Half, c10::BFloat16>(p.pb, [&](auto t, auto lt) {
+  dispatch_dtypes<torch::headeronly::Half, torch::headeronly::BFloat16>(p.pb, [&](auto t, auto lt) {
     forward_impl<typename decltype(t)::type, typename decltype(lt)::type>(p, begin, end);
   });
 }
 
 void backward_range(const BackwardParams& p, int64_t begin, int64_t end) {
-  dispatch_dtypes<c10::Half, c10::BFloat16>(p.pb, [&](auto t, auto lt) {
+  dispatch_dtypes<torch::headeronly::Half, torch::headeronly::BFloat16>(p.pb, [&](auto t, auto lt) {
     backward_impl<typename decltype(t)::type, typename decltype(lt)::type>(p, begin, end);
   });
 }

@@ -1,5 +1,5 @@
 // CPU kernels: plain loops over a range of work items; the binding layer runs
-// them in parallel with at::parallel_for.
+// them in parallel with torch's parallel_for.
 #pragma once
 
 #include "../params.h"

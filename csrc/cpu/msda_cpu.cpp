@@ -1,7 +1,6 @@
 // CPU kernels of the operator: validation, allocation, parallel loop
-// (at::parallel_for: OpenMP threads when the build has -fopenmp, setup.py).
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+// (torch's parallel_for, through the stable ABI: torch's own intra-op
+// threads).
 
 #include "../backend_queries.h"
 #include "../output.h"
@@ -11,18 +10,18 @@
 namespace msda {
 namespace {
 
-at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                       const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                       const at::Tensor& attention_weights, c10::string_view backend,
+Tensor forward_cpu(const Tensor& value, const Tensor& spatial_shapes,
+                       const Tensor& level_start_index, const Tensor& sampling_locations,
+                       const Tensor& attention_weights, std::string backend,
                        std::optional<bool> /*deterministic: the forward always is*/,
-                       at::OptionalIntArrayRef spatial_shapes_list) {
+                       IntListOpt spatial_shapes_list) {
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights, backend,
                                      spatial_shapes_list);
   // Raises where the backend cannot run.
   forward_plan(forward_problem(in.pb, in.value.data_ptr(), /*fused=*/false), value.device(), backend);
   const auto& pb = in.pb;
-  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.options());
+  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.scalar_type(), value.device());
   const int64_t groups = pb.N * pb.Lq * pb.M;
   if (groups == 0) return out;
   ForwardParams p;
@@ -30,26 +29,27 @@ at::Tensor forward_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes
   p.out = out.data_ptr();
   // About 16k multiply-adds per grain.
   const int64_t grain = std::max<int64_t>(1, 16384 / (4 * pb.L * pb.P * pb.D));
-  at::parallel_for(0, groups, grain,
-                   [&](int64_t b, int64_t e) { cpu::forward_range(p, b, e); });
+  torch::stable::parallel_for(0, groups, grain,
+                              [&](int64_t b, int64_t e) { cpu::forward_range(p, b, e); });
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
-    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
-    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-    const at::Tensor& attention_weights, bool /*deterministic*/) {
+std::tuple<Tensor, Tensor, Tensor> backward_cpu(
+    const Tensor& grad_output, const Tensor& value, const Tensor& spatial_shapes,
+    const Tensor& level_start_index, const Tensor& sampling_locations,
+    const Tensor& attention_weights, bool /*deterministic*/) {
   // Always deterministic: each (n, m) slice of grad_value is accumulated by
   // one thread, in query order, whatever the number of threads.
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights);
   const auto& pb = in.pb;
   check_grad_output(grad_output, pb, value);
-  const at::Tensor gout = grad_output.contiguous();
-  const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto grad_value_acc = value_shaped(pb, in.value.options().dtype(acc_type), /*zeroed=*/true);
-  auto grad_loc = new_output(in.loc.sizes(), in.loc.options());
-  auto grad_attn = new_output(in.attn.sizes(), in.attn.options());
+  const Tensor gout = make_contiguous(grad_output);
+  const auto acc_type = in.value.scalar_type() == kDouble ? kDouble : kFloat;
+  const Device dev = value.device();
+  auto grad_value_acc = value_shaped(pb, acc_type, dev, /*zeroed=*/true);
+  auto grad_loc = new_output(sizes_of(in.loc), in.loc.scalar_type(), dev);
+  auto grad_attn = new_output(sizes_of(in.attn), in.attn.scalar_type(), dev);
   if (pb.N * pb.Lq * pb.M > 0) {
     BackwardParams p;
     set_inputs(p, in);
@@ -57,24 +57,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     p.grad_value_acc = grad_value_acc.data_ptr();
     p.grad_loc = grad_loc.data_ptr();
     p.grad_attn = grad_attn.data_ptr();
-    at::parallel_for(0, pb.N * pb.M, 1,
-                     [&](int64_t b, int64_t e) { cpu::backward_range(p, b, e); });
+    torch::stable::parallel_for(0, pb.N * pb.M, 1,
+                                [&](int64_t b, int64_t e) { cpu::backward_range(p, b, e); });
   }
-  return {grad_value_acc.to(in.value.scalar_type()), grad_loc.to(in.loc_dtype_in),
-          grad_attn.to(in.attn_dtype_in)};
+  return {to(grad_value_acc, in.value.scalar_type()), to(grad_loc, in.loc_dtype_in),
+          to(grad_attn, in.attn_dtype_in)};
 }
 
 // _column_sum on the CPU: ATen's sum over the rows.
-at::Tensor column_sum_cpu(const at::Tensor& grad) {
+Tensor column_sum_cpu(const Tensor& grad) {
   const ColumnSumSizes z = check_column_sum(grad);
-  return grad.reshape({z.rows, z.cols}).sum(0);
+  return torch::stable::sum(reshape(grad, {z.rows, z.cols}), std::vector<int64_t>{0});
 }
 
 }  // namespace
 }  // namespace msda
 
-TORCH_LIBRARY_IMPL(ms_deform_attn, CPU, m) {
-  m.impl("_column_sum", &msda::column_sum_cpu);
-  m.impl("ms_deform_attn", &msda::forward_cpu);
-  m.impl("_ms_deform_attn_backward", &msda::backward_cpu);
+STABLE_TORCH_LIBRARY_IMPL(ms_deform_attn, CPU, m) {
+  m.impl("_column_sum", TORCH_BOX(&msda::column_sum_cpu));
+  m.impl("ms_deform_attn", TORCH_BOX(&msda::forward_cpu));
+  m.impl("_ms_deform_attn_backward", TORCH_BOX(&msda::backward_cpu));
 }

@@ -3,7 +3,7 @@
 // docs/backward.md gives the figures.
 #include "backward_plan.h"
 
-#include <c10/util/Exception.h>
+#include "../check.h"
 
 #include <cstdint>
 #include <sstream>
@@ -74,7 +74,7 @@ GradValueRequest parse_grad_value_request(const std::string& name) {
   if (name == "atomic") return GradValueRequest::atomic;
   if (name == "sorted") return GradValueRequest::sorted;
   if (name == "local") return GradValueRequest::local;
-  TORCH_CHECK(false, "ms_deform_attn: unknown grad_value path '", name,
+  MSDA_CHECK(false, "ms_deform_attn: unknown grad_value path '", name,
               "'; expected 'auto', 'atomic', 'sorted' or 'local'");
 }
 

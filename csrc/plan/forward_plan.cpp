@@ -3,7 +3,7 @@
 // as pure functions of the problem, the device and the caller's wishes.
 #include "forward_plan.h"
 
-#include <c10/util/Exception.h>
+#include "../check.h"
 
 #include <algorithm>
 #include <sstream>
@@ -181,12 +181,12 @@ const std::vector<std::string>& backend_names() {
   return names;
 }
 
-void check_backend_name(c10::string_view backend) {
+void check_backend_name(std::string_view backend) {
   if (backend == "auto") return;
   for (const auto& n : backend_names()) {
     if (backend == n) return;
   }
-  TORCH_CHECK(false, "ms_deform_attn: unknown backend '", backend,
+  MSDA_CHECK(false, "ms_deform_attn: unknown backend '", backend,
               "'; expected 'auto' or one of ", quoted(backend_names()));
 }
 
@@ -227,13 +227,13 @@ std::string auto_backend(const ForwardProblem& p, const DeviceInfo& d) {
   for (const auto& b : kBackends) {
     if (why_not(b, p, d).empty() && b.auto_ok(p)) return b.name;
   }
-  TORCH_CHECK(false, "ms_deform_attn: no CUDA backend can run these inputs");
+  MSDA_CHECK(false, "ms_deform_attn: no CUDA backend can run these inputs");
 }
 
 ForwardPlan plan_forward(const ForwardProblem& p, const DeviceInfo& d, const ForwardWishes& w) {
   const std::string name = w.backend == "auto" ? auto_backend(p, d) : w.backend;
   const std::string why = cuda_backend_reason(name, p, d);
-  TORCH_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
+  MSDA_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
   const Backend& b = *find(name);
   const Problem& pb = p.pb;
   ForwardPlan plan;

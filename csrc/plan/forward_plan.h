@@ -9,9 +9,9 @@
 // each backend and why auto picks what it picks.
 #pragma once
 
-#include <c10/util/string_view.h>
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "../params.h"
@@ -24,7 +24,7 @@ namespace msda {
 // reference, run by the Python entry points only; never picked by "auto").
 const std::vector<std::string>& backend_names();
 // Raises unless `backend` is "auto" or one of backend_names().
-void check_backend_name(c10::string_view backend);
+void check_backend_name(std::string_view backend);
 const char* backend_name(ForwardBackend b);
 
 struct ForwardProblem {

@@ -2,16 +2,12 @@
 // scratch buffers and launches of its grad_value path.
 #include "backward.h"
 
-#include <ATen/ATen.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-
 #include <algorithm>
 
 #include "../../output.h"
 #include "../../overrides.h"
 #include "../device_info.h"
+#include "../host.h"
 #include "../launch.h"
 
 namespace msda::cuda {
@@ -24,15 +20,15 @@ int bits_for(int64_t x) {
   return bits;
 }
 
-at::Tensor run_atomic_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+Tensor run_atomic_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
   const auto vt = in.value.scalar_type();
-  auto acc = value_shaped(in.pb, in.value.options().dtype(vt == at::kDouble ? at::kDouble : at::kFloat),
+  auto acc = value_shaped(in.pb, vt == kDouble ? kDouble : kFloat, in.value.device(),
                           /*zeroed=*/true);
   if (in.pb.N * in.pb.Lq * in.pb.M > 0) {
     p.grad_value_acc = acc.data_ptr();
-    C10_CUDA_CHECK(ffma_dots(p, stream));
+    MSDA_CUDA_CHECK(ffma_dots(p, stream));
   }
-  return acc.to(vt);
+  return to(acc, vt);
 }
 
 cudaError_t dots(const BackwardParams& p, cudaStream_t stream) {
@@ -41,53 +37,54 @@ cudaError_t dots(const BackwardParams& p, cudaStream_t stream) {
 
 // Block-local: the dots kernel writes each sample's record (20 bytes)
 // instead of a key; the other scratch is the blocks' work counter.
-at::Tensor run_local_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
-  at::Tensor records = at::empty({grad_value_local_scratch_bytes(p)}, in.value.options().dtype(at::kByte));
+Tensor run_local_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+  const Device dev = in.value.device();
+  Tensor records = empty({grad_value_local_scratch_bytes(p)}, kByte, dev);
   grad_value_local_records(p, records.data_ptr());
-  C10_CUDA_CHECK(dots(p, stream));
-  at::Tensor grad_value = value_shaped(in.pb, in.value.options(), /*zeroed=*/false);
-  at::Tensor counter = at::zeros({1}, in.value.options().dtype(at::kInt));
-  C10_CUDA_CHECK(grad_value_local(p, grad_value.data_ptr(),
-                                  reinterpret_cast<unsigned*>(counter.data_ptr<int>()), stream));
+  MSDA_CUDA_CHECK(dots(p, stream));
+  Tensor grad_value = value_shaped(in.pb, in.value.scalar_type(), dev, /*zeroed=*/false);
+  Tensor counter = zeros({1}, kInt, dev);
+  MSDA_CUDA_CHECK(grad_value_local(p, grad_value.data_ptr(),
+                                  reinterpret_cast<unsigned*>(counter.mutable_data_ptr<int>()), stream));
   return grad_value;
 }
 
 // Global sort and gather. Scratch: per sample 4 keys / ids (4 bytes each, 8
 // when wide; the sort's double buffers, its temp is small) and 4 weights
 // (16 bytes; 32 for fp64); 8 bytes per cell.
-at::Tensor run_sorted_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
+Tensor run_sorted_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
   const auto& pb = in.pb;
   SortedBuffers b;
   b.items = sample_count(pb);
   b.cells = pb.N * pb.M * p.cell_stride;
   b.end_bit = bits_for(b.cells);
   b.wide = b.cells >= int64_t(UINT32_MAX) || b.items >= int64_t(UINT32_MAX);
-  const auto idx = in.value.options().dtype(b.wide ? at::kLong : at::kInt);
-  at::Tensor keys = at::empty({b.items}, idx), ids = at::empty({b.items}, idx);
-  at::Tensor sorted_keys = at::empty({b.items}, idx), sorted_ids = at::empty({b.items}, idx);
+  const Device dev = in.value.device();
+  const ScalarType idx = b.wide ? kLong : kInt;
+  Tensor keys = empty({b.items}, idx, dev), ids = empty({b.items}, idx, dev);
+  Tensor sorted_keys = empty({b.items}, idx, dev), sorted_ids = empty({b.items}, idx, dev);
   p.cell_keys = keys.data_ptr();
   p.sample_ids = ids.data_ptr();
   p.wide_keys = b.wide;
-  C10_CUDA_CHECK(dots(p, stream));
+  MSDA_CUDA_CHECK(dots(p, stream));
 
   b.keys = keys.data_ptr();
   b.ids = ids.data_ptr();
   b.sorted_keys = sorted_keys.data_ptr();
   b.sorted_ids = sorted_ids.data_ptr();
-  C10_CUDA_CHECK(sorted_temp_bytes(b, b.temp_bytes));
-  at::Tensor temp = at::empty({int64_t(std::max<size_t>(b.temp_bytes, 1))},
-                              in.value.options().dtype(at::kByte));
+  MSDA_CUDA_CHECK(sorted_temp_bytes(b, b.temp_bytes));
+  Tensor temp = empty({int64_t(std::max<size_t>(b.temp_bytes, 1))}, kByte, dev);
   b.temp = temp.data_ptr();
-  at::Tensor starts = at::empty({b.cells + 2}, in.value.options().dtype(at::kLong));
+  Tensor starts = empty({b.cells + 2}, kLong, dev);
   b.cell_starts = starts.data_ptr();
-  b.big_weights = starts.data_ptr<int64_t>() + b.cells + 1;  // the last one
-  const auto acc_type = in.value.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor weights = at::empty({4 * b.items}, in.value.options().dtype(acc_type));
+  b.big_weights = starts.mutable_data_ptr<int64_t>() + b.cells + 1;  // the last one
+  const auto acc_type = in.value.scalar_type() == kDouble ? kDouble : kFloat;
+  Tensor weights = empty({4 * b.items}, acc_type, dev);
   b.weights = weights.data_ptr();
-  at::Tensor grad_value = value_shaped(in.pb, in.value.options(), /*zeroed=*/false);
+  Tensor grad_value = value_shaped(in.pb, in.value.scalar_type(), dev, /*zeroed=*/false);
   b.grad_value = grad_value.data_ptr();
   b.vec = p.plan.gather_vec;
-  C10_CUDA_CHECK(grad_value_sorted(p, b, stream));
+  MSDA_CUDA_CHECK(grad_value_sorted(p, b, stream));
   return grad_value;
 }
 
@@ -103,15 +100,17 @@ BackwardPlan plan_for(const BackwardParams& p, bool fused, bool deterministic) {
   w.deterministic = deterministic;
   w.request = grad_value_override();
   DeviceInfo d;
-  C10_CUDA_CHECK(device_info(-1, d));
+  MSDA_CUDA_CHECK(device_info(-1, d));
   return plan_backward(bp, d, w);
 }
 
-at::Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream) {
+Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream) {
   p.vec = p.plan.vec;
   if (p.plan.grad_value == GradValuePath::atomic) return run_atomic_path(p, in, stream);
   p.cell_stride = 2 * in.pb.S + 2 * in.pb.L;
-  if (sample_count(in.pb) == 0) return value_shaped(in.pb, in.value.options(), /*zeroed=*/true);
+  if (sample_count(in.pb) == 0) {
+    return value_shaped(in.pb, in.value.scalar_type(), in.value.device(), /*zeroed=*/true);
+  }
   return p.plan.grad_value == GradValuePath::local ? run_local_path(p, in, stream)
                                                    : run_sorted_path(p, in, stream);
 }

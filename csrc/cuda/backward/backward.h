@@ -4,7 +4,6 @@
 // launches of the plan's grad_value path.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <cuda_runtime.h>
 
 #include "../../plan/backward_plan.h"
@@ -22,6 +21,6 @@ BackwardPlan plan_for(const BackwardParams& p, bool fused, bool deterministic);
 // atomic path writes into a zeroed fp32 (fp64) accumulator and converts it;
 // the sorted and block-local paths write grad_value once, the same bits on
 // every run.
-at::Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream);
+Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream);
 
 }  // namespace msda::cuda

@@ -17,17 +17,7 @@
 #include <string>
 #include <vector>
 
-#if defined(_WIN32)
-#define MS_DEFORM_ATTN_API
-#else
-#define MS_DEFORM_ATTN_API __attribute__((visibility("default")))
-#endif
-
-#define MS_DEFORM_ATTN_VERSION "0.1.0"
-
-// The version of the library loaded at run time (MS_DEFORM_ATTN_VERSION of
-// the build that made it).
-extern "C" MS_DEFORM_ATTN_API const char* ms_deform_attn_library_version(void);
+#include "ms_deform_attn/version.h"
 
 namespace ms_deform_attn {
 

@@ -1,0 +1,118 @@
+// The library's tensor vocabulary: LibTorch's stable ABI (torch/csrc/stable)
+// and nothing else of torch, so that one build loads into every torch
+// release from the one it targets (TORCH_TARGET_VERSION, setup.py) on.
+// Tensors, the few ATen operators the host code needs (called through the
+// dispatcher), errors, and the names errors print.
+#pragma once
+
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "check.h"
+
+namespace msda {
+
+using IntListOpt = std::optional<std::vector<int64_t>>;
+
+// A call of torch's C shim (aoti_torch_*, torch_*) that must succeed (the
+// shim has already printed its error).
+#define MSDA_SHIM_CHECK(call) \
+  MSDA_CHECK((call) == AOTI_TORCH_SUCCESS, "ms_deform_attn: torch's call ", #call, " failed")
+
+using Tensor = torch::stable::Tensor;
+using Device = torch::stable::Device;
+using ScalarType = torch::headeronly::ScalarType;
+using Shape = std::vector<int64_t>;
+
+constexpr ScalarType kFloat = ScalarType::Float;
+constexpr ScalarType kDouble = ScalarType::Double;
+constexpr ScalarType kHalf = ScalarType::Half;
+constexpr ScalarType kBFloat16 = ScalarType::BFloat16;
+constexpr ScalarType kLong = ScalarType::Long;
+constexpr ScalarType kInt = ScalarType::Int;
+constexpr ScalarType kByte = ScalarType::Byte;
+
+// ---- names, as torch prints them ------------------------------------------
+const char* dtype_name(ScalarType t);         // "Float", "BFloat16", ...
+std::string device_name(const Device& d);     // "cpu", "cuda:0"
+std::string shape_str(const Tensor& t);       // "[2, 3, 4]"
+
+inline bool is_floating(ScalarType t) {
+  return t == kFloat || t == kHalf || t == kBFloat16 || t == kDouble;
+}
+inline bool same_device(const Tensor& a, const Tensor& b) {
+  return a.device() == b.device();
+}
+inline Shape sizes_of(const Tensor& t) {
+  const auto s = t.sizes();
+  return Shape(s.begin(), s.end());
+}
+
+// ---- allocation and views -------------------------------------------------
+inline Tensor empty(const Shape& sizes, ScalarType dtype, const Device& device) {
+  return torch::stable::empty(sizes, dtype, std::nullopt, device);
+}
+inline Tensor zeros(const Shape& sizes, ScalarType dtype, const Device& device) {
+  Tensor t = empty(sizes, dtype, device);
+  torch::stable::zero_(t);
+  return t;
+}
+inline Tensor full(const Shape& sizes, double value, ScalarType dtype, const Device& device) {
+  return torch::stable::full(sizes, value, dtype, std::nullopt, device);
+}
+inline Tensor to(const Tensor& t, ScalarType dtype) {
+  return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
+}
+// t itself when contiguous (no dispatcher call), else a contiguous copy.
+inline Tensor make_contiguous(const Tensor& t) {
+  return t.is_contiguous() ? t : torch::stable::contiguous(t);
+}
+// clone, transpose, reshape, view, narrow, unsqueeze, sum: torch::stable's
+// (found by argument-dependent lookup on Tensor).
+
+// ---- any ATen (or this library's) operator, through the dispatcher ---------
+// call_op<R>("aten::softmax", "int", args...): the arguments in schema order
+// (Tensor, int64_t, double, bool, std::optional<...>, std::vector<int64_t>,
+// std::string, ScalarType); R a Tensor or a std::tuple of them.
+namespace detail {
+template <typename R>
+struct Returns {
+  static constexpr size_t count = 1;
+  static R read(StableIValue* s) { return torch::stable::detail::to<R>(s[0]); }
+};
+template <typename... T>
+struct Returns<std::tuple<T...>> {
+  static constexpr size_t count = sizeof...(T);
+  template <size_t... I>
+  static std::tuple<T...> read_impl(StableIValue* s, std::index_sequence<I...>) {
+    return {torch::stable::detail::to<T>(s[I])...};
+  }
+  static std::tuple<T...> read(StableIValue* s) {
+    return read_impl(s, std::index_sequence_for<T...>{});
+  }
+};
+}  // namespace detail
+
+template <typename R = Tensor, typename... Args>
+R call_op(const char* name, const char* overload, const Args&... args) {
+  constexpr size_t n = std::max(sizeof...(Args), detail::Returns<R>::count);
+  std::array<StableIValue, n> stack{};
+  size_t i = 0;
+  ((stack[i++] = torch::stable::detail::from(args)), ...);
+  MSDA_SHIM_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+  return detail::Returns<R>::read(stack.data());
+}
+
+}  // namespace msda
