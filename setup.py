@@ -2,19 +2,24 @@
 
 Three shared objects, all inside the package:
   ms_deform_attn/lib/libms_deform_attn.so  the operator library (schemas,
-      queries, validation, CPU and CUDA kernels); links LibTorch only, no
-      Python;
-  ms_deform_attn/lib/libms_deform_attn_torch.so  the version-bound layer
-      over it (autograd, autocast, the public C++ API), from the sources in
+      queries, validation, CPU and CUDA kernels) on LibTorch's stable ABI
+      only: it loads into the torch release STABLE_TARGET below and every
+      later one; no Python;
+  ms_deform_attn/lib/torch<major>_<minor>/libms_deform_attn_torch.so  the
+      version-bound layer over it (autograd, autocast, the public C++ API)
+      for the torch of this build, from the sources in
       ms_deform_attn/share/ms_deform_attn/src, which the CMake package builds
-      into C++ programs instead (share/cmake);
+      into C++ programs instead (share/cmake). Under another torch release
+      the package registers autograd and autocast from Python instead
+      (ms_deform_attn/_layer.py);
   ms_deform_attn/_C...so  the Python extension module: empty, links the
-      layer (rpath $ORIGIN/lib), so that importing it registers the operator.
+      library (rpath $ORIGIN/lib), so that importing it registers the
+      operator.
 The CUDA sources are compiled when torch has CUDA and nvcc is found, or when
 FORCE_CUDA=1; otherwise the library is CPU-only. With FORCE_CUDA=1, no
 visible GPU and TORCH_CUDA_ARCH_LIST unset, the architectures default to
 DEFAULT_ARCHS below instead of torch's guess. MAX_JOBS is honoured (ninja).
-The CPU kernels run multi-threaded through OpenMP where the compiler has it.
+The CPU kernels run on torch's intra-op threads (its parallel_for).
 Metadata and the optional extras are in pyproject.toml; the distribution is
 named torch-msda (ms-deform-attn on PyPI is another project), the import
 name is ms_deform_attn.
@@ -163,18 +168,24 @@ def library_header_dirs():
     return sorted(found)
 
 
+# The oldest torch whose stable ABI the operator library is built for
+# (TORCH_TARGET_VERSION): 2.10 brought the stable strings, lists and devices
+# its schemas use.
+STABLE_TARGET = (2, 10)
+STABLE_TARGET_HEX = "0x%02x%02x000000000000" % STABLE_TARGET
 LIB = "ms_deform_attn.lib.libms_deform_attn"  # built as ms_deform_attn/lib/libms_deform_attn.so
-LAYER = "ms_deform_attn.lib.libms_deform_attn_torch"  # ms_deform_attn/lib/libms_deform_attn_torch.so
+# ms_deform_attn/lib/torch<major>_<minor>/libms_deform_attn_torch.so
+TORCH_RELEASE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+LAYER = "ms_deform_attn.lib.torch%d_%d.libms_deform_attn_torch" % TORCH_RELEASE
 LAYER_SOURCES = os.path.join("ms_deform_attn", "share", "ms_deform_attn", "src")
 GENERATED = os.path.join(ROOT, "build", "generated")  # ms_deform_attn_build.h
 
 
-def torch_pin():
-    """The torch requirement of what is built here: the major.minor release
-    it compiles against (LibTorch's C++ ABI changes between minor releases,
-    not between patch releases), so that pip refuses any other torch."""
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return f"torch=={major}.{minor}.*"
+def torch_requirement():
+    """The torch requirement of what is built here: the operator library's
+    stable ABI target and every release after it (each gets the C++ layer
+    if it is the build's own release, the Python one otherwise)."""
+    return "torch>=%d.%d" % STABLE_TARGET
 
 
 def write_build_info(cuda: bool):
@@ -187,32 +198,14 @@ def write_build_info(cuda: bool):
               f"#define MSDA_CUDA_ARCHS \"{archs}\"\n")
     info = ('"""Written by setup.py: what this build of ms_deform_attn was compiled against."""\n'
             f"TORCH_VERSION = {torch.__version__!r}\n"
-            f"CUDA_VERSION = {(torch.version.cuda if cuda else None)!r}\n")
+            f"CUDA_VERSION = {(torch.version.cuda if cuda else None)!r}\n"
+            f"# The oldest torch the operator library loads into (its stable ABI target).\n"
+            f"STABLE_TARGET = {'%d.%d' % STABLE_TARGET!r}\n")
     for path, text in ((os.path.join(GENERATED, "ms_deform_attn_build.h"), header),
                        (os.path.join(ROOT, "ms_deform_attn", "_build_info.py"), info)):
         if not os.path.exists(path) or open(path).read() != text:  # keep ninja's timestamps
             with open(path, "w") as f:
                 f.write(text)
-
-
-def openmp_flag():
-    """-fopenmp when the C++ compiler builds and links an OpenMP program (so
-    that at::parallel_for runs on several threads), else None."""
-    import subprocess
-    import tempfile
-
-    cxx = os.environ.get("CXX", "c++")
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "t.cpp")
-        with open(src, "w") as f:
-            f.write("#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n")
-        try:
-            subprocess.run([cxx, "-fopenmp", src, "-o", os.path.join(tmp, "t")], check=True,
-                           timeout=120, capture_output=True)
-        except Exception:
-            print("setup.py: the C++ compiler has no OpenMP; the CPU kernels will run on one thread")
-            return None
-    return "-fopenmp"
 
 
 def torch_rpath():
@@ -228,7 +221,9 @@ def library():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT)
                                  for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
     sources = rel("csrc/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp")
-    cxx = ["-O3"]
+    # LibTorch's stable ABI only (csrc/tensor.h), as of the oldest release it
+    # serves: the library loads into that torch and every later one.
+    cxx = ["-O3", f"-DTORCH_TARGET_VERSION={STABLE_TARGET_HEX}"]
     if os.environ.get("MSDA_DEBUG", "0") == "1":
         cxx = ["-O0", "-g"]
     # LibTorch's libraries (libc10_cuda, ...) are found next to the torch
@@ -236,12 +231,7 @@ def library():
     # it was built with lives: a C++ program's own run path does not reach
     # this library's dependencies.
     link = ["-Wl,-soname,libms_deform_attn.so", torch_rpath()]
-    omp = openmp_flag()
-    if omp:
-        cxx.append(omp)
-        link.append(omp)
-    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include"), GENERATED,
-                    os.path.join(ROOT, LAYER_SOURCES)]  # calls.h
+    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include"), GENERATED]
     cuda = want_cuda()
     if cuda and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
@@ -250,8 +240,11 @@ def library():
         ext = CppExtension(LIB, sources, include_dirs=include_dirs, extra_link_args=link,
                            extra_compile_args={"cxx": cxx})
     else:
-        cxx.append("-DMSDA_WITH_CUDA")  # cpu_only.cpp and the build query know
-        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DMSDA_WITH_CUDA"]
+        # MSDA_WITH_CUDA: cpu_only.cpp and the build query know; USE_CUDA:
+        # the stable ABI's CUDA stream query (cuda/host.h).
+        cxx += ["-DMSDA_WITH_CUDA", "-DUSE_CUDA"]
+        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DMSDA_WITH_CUDA",
+                f"-DTORCH_TARGET_VERSION={STABLE_TARGET_HEX}"]
         if os.environ.get("MSDA_PTXAS_VERBOSE", "0") == "1":
             nvcc.append("-Xptxas=-v")
         sources += rel("csrc/cuda/**/*.cpp") + rel("csrc/cuda/**/*.cu")
@@ -263,14 +256,15 @@ def library():
 
 
 def torch_layer():
-    """The version-bound layer over the library: plain C++ against LibTorch
-    (no CUDA, no Python), linking the library (rpath $ORIGIN)."""
+    """The version-bound layer over the library for this build's torch:
+    plain C++ against LibTorch (no CUDA, no Python), linking the library
+    (rpath $ORIGIN/..)."""
     ext = CppExtension(LAYER, sorted(os.path.relpath(p, ROOT) for p in
                                      glob.glob(os.path.join(ROOT, LAYER_SOURCES, "*.cpp"))),
                        include_dirs=[os.path.join(ROOT, "ms_deform_attn", "include")],
                        libraries=["ms_deform_attn"],
                        extra_link_args=["-Wl,-soname,libms_deform_attn_torch.so",
-                                        "-Wl,--no-as-needed", "-Wl,-rpath,$ORIGIN",
+                                        "-Wl,--no-as-needed", "-Wl,-rpath,$ORIGIN/..",
                                         torch_rpath()],
                        extra_compile_args={"cxx": ["-O2", "-g0"]})
     ext.libraries = [lib for lib in ext.libraries if lib != "torch_python"]
@@ -278,11 +272,11 @@ def torch_layer():
 
 
 def python_module():
-    # Plain (no torch libraries): all it does is load the layer and the
-    # library. Python's limited API (3.9 on): one build serves every Python
-    # (an abi3 module).
+    # Plain (no torch libraries): all it does is load the library (the
+    # package loads the layer, _layer.py). Python's limited API (3.9 on): one
+    # build serves every Python (an abi3 module).
     return Extension("ms_deform_attn._C", ["csrc/python/module.cpp"],
-                     libraries=["ms_deform_attn_torch", "ms_deform_attn"],
+                     libraries=["ms_deform_attn"],
                      extra_link_args=["-Wl,-rpath,$ORIGIN/lib"], language="c++",
                      define_macros=[("Py_LIMITED_API", "0x03090000")], py_limited_api=True)
 
@@ -293,14 +287,15 @@ class Build(BuildExtension):
 
     def get_ext_filename(self, fullname):
         name = super().get_ext_filename(fullname)
-        for lib in (LIB, LAYER):
+        for lib in (LIB, LAYER):  # called with the full name and with its last part
             if fullname.split(".")[-1] == lib.split(".")[-1]:
                 return os.path.join(os.path.dirname(name), lib.split(".")[-1] + ".so")
         return name
 
     def run(self):
-        # An in-place build copies the library into ms_deform_attn/lib/ (not a package).
-        os.makedirs(os.path.join(ROOT, "ms_deform_attn", "lib"), exist_ok=True)
+        # An in-place build copies the libraries into ms_deform_attn/lib/ and
+        # lib/torch<major>_<minor>/ (not packages).
+        os.makedirs(os.path.join(ROOT, *LAYER.split(".")[:-1]), exist_ok=True)
         super().run()
 
     def build_extension(self, ext):
@@ -318,7 +313,7 @@ setup(
     package_data={"ms_deform_attn": ["include/ms_deform_attn/*.h", "share/cmake/ms_deform_attn/*.cmake",
                                       "share/ms_deform_attn/src/*"]},
     ext_modules=[library(), torch_layer(), python_module()],
-    install_requires=[torch_pin()],
+    install_requires=[torch_requirement()],
     cmdclass={"build_ext": Build.with_options(use_ninja=True)},
     # The wheel's Python module uses the limited API; its library no Python.
     options={"bdist_wheel": {"py_limited_api": "cp39"}},

@@ -1,6 +1,7 @@
 """Python side of the operator: public wrappers and the fake kernels
-(torch.compile, export). Schema, kernels, autograd and autocast are C++
-(lib/libms_deform_attn.so), shared with LibTorch programs."""
+(torch.compile, export). Schemas and kernels are C++ (lib/libms_deform_attn.so,
+shared with LibTorch programs); autograd and autocast the C++ layer for this
+torch release, or Python registrations where the build has none (_layer.py)."""
 from __future__ import annotations
 
 import glob
@@ -22,30 +23,44 @@ if not glob.glob(os.path.join(_here, "_C*")):
 
 
 def _check_torch() -> None:
-    """The library links the LibTorch it was compiled against: another torch
-    release (or a torch of another CUDA major version) would fail in the
-    dynamic loader with a missing symbol or library. Say so first."""
+    """The operator library loads into its stable ABI target release and
+    every later torch; an older torch (or a torch of another CUDA major
+    version) would fail in the dynamic loader with a missing symbol or
+    library. Say so first, naming what was found and what is needed."""
     try:
         from . import _build_info as built
     except ImportError:  # a build older than the file
         return
-    release = lambda v: tuple(v.split("+")[0].split(".")[:2])  # noqa: E731
+    release = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")[:2])  # noqa: E731
     cuda_major = lambda v: v.split(".")[0] if v else None  # noqa: E731
     ours = f"torch {built.TORCH_VERSION}" + (f" (CUDA {built.CUDA_VERSION})" if built.CUDA_VERSION else "")
-    if release(built.TORCH_VERSION) != release(torch.__version__):
+    oldest = getattr(built, "STABLE_TARGET", None)
+    if oldest is None:  # a version-bound build
+        if release(built.TORCH_VERSION) != release(torch.__version__):
+            raise ImportError(
+                f"ms_deform_attn was built against {ours}, but torch {torch.__version__} is installed: "
+                f"install torch=={'.'.join(map(str, release(built.TORCH_VERSION)))}.*, or build "
+                "ms_deform_attn for this torch (pip install --no-build-isolation . from source)")
+    elif release(torch.__version__) < release(oldest):
         raise ImportError(
-            f"ms_deform_attn was built against {ours}, but torch {torch.__version__} is installed: "
-            f"install torch=={'.'.join(release(built.TORCH_VERSION))}.* (what the wheel requires), or "
-            "a build of ms_deform_attn for this torch (pip install --no-build-isolation . from source)")
+            f"ms_deform_attn needs torch {oldest} or newer (its operator library is built for "
+            f"LibTorch's stable ABI of torch {oldest}; this build was made with {ours}), but torch "
+            f"{torch.__version__} is installed: pip install 'torch>={oldest}'")
     if built.CUDA_VERSION and cuda_major(built.CUDA_VERSION) != cuda_major(torch.version.cuda):
         raise ImportError(
             f"ms_deform_attn was built against {ours}, but this torch has "
-            f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'no CUDA'}: install the torch "
-            f"build for CUDA {built.CUDA_VERSION}, or build ms_deform_attn for this torch from source")
+            f"{'CUDA ' + torch.version.cuda if torch.version.cuda else 'no CUDA'}: install a torch "
+            f"built for CUDA {cuda_major(built.CUDA_VERSION)}.x, or a build of ms_deform_attn for "
+            "this torch's CUDA (the wheel for it, or from source)")
 
 
 _check_torch()
-from . import _C  # noqa: F401,E402  (loads lib/libms_deform_attn.so: the C++ registrations)
+from . import _C  # noqa: F401,E402  (loads lib/libms_deform_attn.so: schemas and kernels)
+from . import _layer  # noqa: E402
+
+# The torch release of the C++ autograd layer loaded, or None where autograd
+# and autocast are registered from Python (_layer.py).
+torch_layer = _layer.load()
 
 _lib = torch.ops.ms_deform_attn
 

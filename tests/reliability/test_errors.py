@@ -1,4 +1,6 @@
 """Bad input raises a clear error naming the argument, expected and actual value."""
+import re
+
 import pytest
 import torch
 
@@ -294,15 +296,21 @@ def test_build_reports_its_architectures():
         assert torch.ops.ms_deform_attn._kernel_image_error(archs, major, minor, "cuda:0") == ""
 
 
-def test_import_refuses_another_torch_release(monkeypatch):
-    """A build (or wheel) made against another torch release says so at
-    import, before the dynamic loader fails on a missing symbol."""
+def test_import_refuses_a_torch_too_old(monkeypatch):
+    """A torch older than the operator library's stable ABI target is
+    refused at import, naming both, before the dynamic loader fails on a
+    missing symbol; any newer release is accepted."""
     from ms_deform_attn import _build_info, _ops
 
+    assert _build_info.STABLE_TARGET == "2.10"
     monkeypatch.setattr(_build_info, "TORCH_VERSION", "1.13.1+cu117")
-    with pytest.raises(ImportError, match=r"built against torch 1\.13\.1\+cu117.*install torch==1\.13\.\*"):
+    _ops._check_torch()  # the build's own release does not matter
+    monkeypatch.setattr(_build_info, "STABLE_TARGET", "99.0")
+    with pytest.raises(ImportError, match=r"needs torch 99\.0 or newer.*"
+                       + re.escape(f"torch {torch.__version__} is installed")):
         _ops._check_torch()
+    monkeypatch.setattr(_build_info, "STABLE_TARGET", "2.10")
     monkeypatch.setattr(_build_info, "TORCH_VERSION", torch.__version__)
     monkeypatch.setattr(_build_info, "CUDA_VERSION", "99.0")
-    with pytest.raises(ImportError, match=r"CUDA 99\.0"):
+    with pytest.raises(ImportError, match=r"CUDA 99\.0.*install a torch built for CUDA 99\.x"):
         _ops._check_torch()

@@ -69,8 +69,8 @@ std::string backend_reason(const std::string& backend, const at::Tensor& value,
 
 }  // namespace ms_deform_attn
 
-// What the Python module links to load this layer (and the operator
-// library under it): the torch release it was compiled against.
+// The torch release this layer was compiled against (the package checks it
+// after loading the layer, ms_deform_attn/_layer.py).
 #define MSDA_STR2(x) #x
 #define MSDA_STR(x) MSDA_STR2(x)
 extern "C" MS_DEFORM_ATTN_API const char* ms_deform_attn_torch_layer_built_for(void) {
