@@ -3,6 +3,7 @@
 #               GPU; a scaled-down ddetr_enc on the CPU) for every backend and the reference
 # make cpp    - build and run the C++ example (examples/cpp) against the in-place build
 # make aoti   - export the small detector with AOTInductor and run it from C++ (examples/aoti)
+# make kernels-build - the in-place build in the Hugging Face `kernels` layout (build/kernels)
 # make wheel  - a wheel in dist/ for the installed torch, with the CUDA kernels for
 #               WHEEL_ARCHS (A100 ... RTX 50: sm_80 sm_86 sm_89 sm_90a sm_100 sm_120, PTX
 #               of the newest); docs/development.md gives its build time and size
@@ -14,7 +15,7 @@ BENCH_ARGS ?=
 TEST_EXTRAS ?= test hf onnx
 WHEEL_ARCHS ?= 8.0;8.6;8.9;9.0a;10.0;12.0+PTX
 
-.PHONY: deps build test bench bench-full cpp aoti wheel clean
+.PHONY: deps build test bench bench-full cpp aoti wheel kernels-build clean
 
 deps:
 	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "torch is not installed: pip install torch first (README, Install)"; exit 1; }
@@ -43,6 +44,9 @@ wheel:
 	@$(PYTHON) -c "import wheel" 2>/dev/null || $(PYTHON) -m pip install wheel
 	FORCE_CUDA=$${FORCE_CUDA:-1} TORCH_CUDA_ARCH_LIST="$(WHEEL_ARCHS)" \
 	  $(PYTHON) -m pip wheel --no-build-isolation --no-deps -w dist .
+
+kernels-build: build
+	$(PYTHON) scripts/kernels_build.py --out build/kernels
 
 cpp: build
 	@$(PYTHON) -c "import cmake" 2>/dev/null || command -v cmake >/dev/null || $(PYTHON) -m pip install -q $$($(PYTHON) scripts/extras.py cpp)

@@ -199,6 +199,7 @@ def write_build_info(cuda: bool):
     info = ('"""Written by setup.py: what this build of ms_deform_attn was compiled against."""\n'
             f"TORCH_VERSION = {torch.__version__!r}\n"
             f"CUDA_VERSION = {(torch.version.cuda if cuda else None)!r}\n"
+            f"CUDA_ARCHS = {archs!r}\n"
             f"# The oldest torch the operator library loads into (its stable ABI target).\n"
             f"STABLE_TARGET = {'%d.%d' % STABLE_TARGET!r}\n")
     for path, text in ((os.path.join(GENERATED, "ms_deform_attn_build.h"), header),

@@ -29,3 +29,12 @@ __all__ = ["ms_deform_attn", "ms_deform_attn_fused", "available_backends", "sele
            "backend_reason", "select_forward_plan", "select_backward_path", "cuda_kernels_built", "cuda_archs", "nn", "compat",
            "reference", "cmake_prefix_path", "include_path", "library_path"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `layers`, the kernels layout's module (ms_deform_attn/layers.py), on
+    # first use: it imports ms_deform_attn.hf.
+    if name == "layers":
+        import importlib
+        return importlib.import_module(f"{__name__}.layers")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
