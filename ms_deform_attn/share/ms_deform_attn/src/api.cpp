@@ -18,6 +18,20 @@ using ReasonSig = std::string(const at::Tensor&, const at::Tensor&, const at::Te
                               at::OptionalIntArrayRef);
 using BackendsSig = std::vector<std::string>(c10::Device);
 
+// The operator library is built on LibTorch's stable ABI, whose kernels
+// raise std::runtime_error; the header promises c10::Error, as LibTorch's
+// own functions raise: the same message, rethrown as one.
+template <typename F>
+auto c10_errors(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, e.what());
+  }
+}
+
 }  // namespace
 
 at::Tensor ms_deform_attn(const at::Tensor& value, const at::Tensor& spatial_shapes,
@@ -26,8 +40,10 @@ at::Tensor ms_deform_attn(const at::Tensor& value, const at::Tensor& spatial_sha
                           const at::Tensor& attention_weights, const std::string& backend,
                           std::optional<bool> deterministic,
                           at::OptionalIntArrayRef spatial_shapes_list) {
-  return msda::call_forward(value, spatial_shapes, level_start_index, sampling_locations,
-                            attention_weights, backend, deterministic, spatial_shapes_list);
+  return c10_errors([&] {
+    return msda::call_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                              attention_weights, backend, deterministic, spatial_shapes_list);
+  });
 }
 
 at::Tensor ms_deform_attn_fused(const at::Tensor& value, const at::Tensor& spatial_shapes,
@@ -37,14 +53,16 @@ at::Tensor ms_deform_attn_fused(const at::Tensor& value, const at::Tensor& spati
                                 const at::Tensor& attention_logits, const std::string& backend,
                                 std::optional<bool> deterministic,
                                 at::OptionalIntArrayRef spatial_shapes_list) {
-  return msda::call_fused_forward(value, spatial_shapes, level_start_index, reference_points,
-                                  sampling_offsets, attention_logits, backend, deterministic,
-                                  spatial_shapes_list);
+  return c10_errors([&] {
+    return msda::call_fused_forward(value, spatial_shapes, level_start_index, reference_points,
+                                    sampling_offsets, attention_logits, backend, deterministic,
+                                    spatial_shapes_list);
+  });
 }
 
 std::vector<std::string> available_backends(c10::Device device) {
   static const auto op = msda::typed_op<BackendsSig>("ms_deform_attn::_available_backends");
-  return op.call(device);
+  return c10_errors([&] { return op.call(device); });
 }
 
 std::string select_backend(const at::Tensor& value, const at::Tensor& spatial_shapes,
@@ -53,8 +71,10 @@ std::string select_backend(const at::Tensor& value, const at::Tensor& spatial_sh
                            const at::Tensor& attention_weights,
                            at::OptionalIntArrayRef spatial_shapes_list) {
   static const auto op = msda::typed_op<QuerySig>("ms_deform_attn::_select_backend");
-  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                 spatial_shapes_list);
+  return c10_errors([&] {
+    return op.call(value, spatial_shapes, level_start_index, sampling_locations,
+                   attention_weights, spatial_shapes_list);
+  });
 }
 
 std::string backend_reason(const std::string& backend, const at::Tensor& value,
@@ -63,8 +83,10 @@ std::string backend_reason(const std::string& backend, const at::Tensor& value,
                            const at::Tensor& attention_weights,
                            at::OptionalIntArrayRef spatial_shapes_list) {
   static const auto op = msda::typed_op<ReasonSig>("ms_deform_attn::_backend_reason");
-  return op.call(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                 backend, spatial_shapes_list);
+  return c10_errors([&] {
+    return op.call(value, spatial_shapes, level_start_index, sampling_locations,
+                   attention_weights, backend, spatial_shapes_list);
+  });
 }
 
 }  // namespace ms_deform_attn
