@@ -296,7 +296,16 @@ class Build(BuildExtension):
     def run(self):
         # An in-place build copies the libraries into ms_deform_attn/lib/ and
         # lib/torch<major>_<minor>/ (not packages).
-        os.makedirs(os.path.join(ROOT, *LAYER.split(".")[:-1]), exist_ok=True)
+        if self.inplace:
+            os.makedirs(os.path.join(ROOT, *LAYER.split(".")[:-1]), exist_ok=True)
+        # The layer of another torch release, left by an earlier build in
+        # build/ (or in place), was built from other sources: it goes, so that
+        # a wheel carries only this build's.
+        ours = LAYER.split(".")[-2]
+        for base in (self.build_lib,) + ((ROOT,) if self.inplace else ()):
+            for old in glob.glob(os.path.join(base, "ms_deform_attn", "lib", "torch*_*")):
+                if os.path.basename(old) != ours:
+                    shutil.rmtree(old, ignore_errors=True)
         super().run()
 
     def build_extension(self, ext):
@@ -310,7 +319,7 @@ setup(
     # The header and CMake folders are data, listed as (namespace) packages so
     # that setuptools ships them without warning.
     packages=find_namespace_packages(include=["ms_deform_attn", "ms_deform_attn.*"],
-                                     exclude=["ms_deform_attn.lib", "ms_deform_attn.__pycache__"]),
+                                     exclude=["ms_deform_attn.lib", "ms_deform_attn.lib.*", "ms_deform_attn.__pycache__"]),
     package_data={"ms_deform_attn": ["include/ms_deform_attn/*.h", "share/cmake/ms_deform_attn/*.cmake",
                                       "share/ms_deform_attn/src/*"]},
     ext_modules=[library(), torch_layer(), python_module()],
