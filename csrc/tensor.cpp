@@ -1,7 +1,41 @@
-// The names errors print (tensor.h), spelled as torch prints them.
+// The names errors print (tensor.h), spelled as torch prints them; the
+// allocation through the C shim.
 #include "tensor.h"
 
 namespace msda {
+
+namespace {
+
+int32_t shim_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return aoti_torch_dtype_float32();
+    case ScalarType::Double: return aoti_torch_dtype_float64();
+    case ScalarType::Half: return aoti_torch_dtype_float16();
+    case ScalarType::BFloat16: return aoti_torch_dtype_bfloat16();
+    case ScalarType::Long: return aoti_torch_dtype_int64();
+    case ScalarType::Int: return aoti_torch_dtype_int32();
+    case ScalarType::Byte: return aoti_torch_dtype_uint8();
+    default: detail::fail("ms_deform_attn: no allocation of dtype ", dtype_name(t));
+  }
+}
+
+}  // namespace
+
+Tensor empty(const Shape& sizes, ScalarType dtype, const Device& device) {
+  Shape strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = stride;
+    stride *= std::max<int64_t>(sizes[i], 1);
+  }
+  const int32_t type = device.is_cuda() ? aoti_torch_device_type_cuda()
+                                        : aoti_torch_device_type_cpu();
+  AtenTensorHandle handle = nullptr;
+  MSDA_SHIM_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
+                                           strides.data(), shim_dtype(dtype), type,
+                                           device.has_index() ? device.index() : 0, &handle));
+  return Tensor(handle);
+}
 
 const char* dtype_name(ScalarType t) {
   switch (t) {

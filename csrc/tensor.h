@@ -61,9 +61,9 @@ inline Shape sizes_of(const Tensor& t) {
 }
 
 // ---- allocation and views -------------------------------------------------
-inline Tensor empty(const Shape& sizes, ScalarType dtype, const Device& device) {
-  return torch::stable::empty(sizes, dtype, std::nullopt, device);
-}
+// A contiguous tensor, through the C shim's direct allocation (not a boxed
+// dispatcher call: this is on every call's path).
+Tensor empty(const Shape& sizes, ScalarType dtype, const Device& device);
 inline Tensor zeros(const Shape& sizes, ScalarType dtype, const Device& device) {
   Tensor t = empty(sizes, dtype, device);
   torch::stable::zero_(t);

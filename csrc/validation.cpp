@@ -231,18 +231,19 @@ Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
                         const IntListOpt& spatial_shapes_list) {
   Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                            attention_weights, backend, spatial_shapes_list);
-  Prepared in;
-  in.pb = c.pb;
-  in.host_shapes = std::move(c.host_shapes);
-  in.loc_dtype_in = sampling_locations.scalar_type();
-  in.attn_dtype_in = attention_weights.scalar_type();
-  const auto lt = wider(in.loc_dtype_in, in.attn_dtype_in);
-  in.value = in.pb.value_head_major ? value : make_contiguous(value);
-  in.spatial_shapes = make_contiguous(spatial_shapes);
-  in.level_start = make_contiguous(level_start_index);
-  in.loc = make_contiguous(to(sampling_locations, lt));
-  in.attn = make_contiguous(to(attention_weights, lt));
-  return in;
+  const ScalarType loc_in = sampling_locations.scalar_type();
+  const ScalarType attn_in = attention_weights.scalar_type();
+  const auto lt = wider(loc_in, attn_in);
+  // Built whole: a default-constructed stable Tensor costs an allocation.
+  return Prepared{c.pb,
+                  c.pb.value_head_major ? value : make_contiguous(value),
+                  make_contiguous(spatial_shapes),
+                  make_contiguous(level_start_index),
+                  make_contiguous(to(sampling_locations, lt)),
+                  make_contiguous(to(attention_weights, lt)),
+                  loc_in,
+                  attn_in,
+                  std::move(c.host_shapes)};
 }
 
 }  // namespace msda

@@ -86,13 +86,13 @@ Tensor launch_forward(Prepared& in, const ForwardPlan& plan, const float* ref = 
   p.ref_dim = ref_dim;
   p.plan = plan;
   p.vec = plan.vec;
-  Tensor workspace;
+  std::optional<Tensor> workspace;  // optional: an empty stable Tensor costs an allocation
   const cudaStream_t stream = cuda::current_stream(dev.index());
   if (plan.workspace > 0) {
     // Zeroed by a memset on the stream (graph-capturable; compute-sanitizer's
     // initcheck sees it, unlike a fill by a kernel it does not instrument).
     workspace = empty({plan.workspace}, kByte, dev);
-    p.workspace = workspace.data_ptr();
+    p.workspace = workspace->data_ptr();
     MSDA_CUDA_CHECK(cudaMemsetAsync(p.workspace, 0, plan.workspace, stream));
   }
   MSDA_CUDA_CHECK(launch(p, stream));
@@ -168,13 +168,13 @@ Tensor fused_forward_cuda(const Tensor& value, const Tensor& spatial_shapes,
 // The backward's parameters for the prepared inputs: grad_output checked
 // against them (its contiguous copy kept in `gout`), locations aligned.
 BackwardParams backward_params(Prepared& in, const Tensor& grad_output, const Tensor& value,
-                               Tensor& gout) {
+                               std::optional<Tensor>& gout) {
   check_grad_output(grad_output, in.pb, value);
   gout = make_contiguous(grad_output);
   in.loc = aligned_pairs(in.loc);
   BackwardParams p;
   set_inputs(p, in);
-  p.grad_out = gout.data_ptr();
+  p.grad_out = gout->data_ptr();
   return p;
 }
 
@@ -189,7 +189,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
   const Device dev = value.device();
   auto grad_loc = new_output(sizes_of(in.loc), in.loc.scalar_type(), dev);
   auto grad_attn = new_output(sizes_of(in.attn), in.attn.scalar_type(), dev);
-  Tensor gout;
+  std::optional<Tensor> gout;
   BackwardParams p = backward_params(in, grad_output, value, gout);
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
@@ -222,7 +222,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_backward_cuda(
   require_kernel_image(value.get_device_index());
   const Device dev = value.device();
   const auto& pb = in.pb;
-  Tensor gout;
+  std::optional<Tensor> gout;
   BackwardParams p = backward_params(in, grad_output, value, gout);
   p.plan = cuda::plan_for(p, /*fused=*/true, deterministic);
   if (p.plan.composite) return composite();
@@ -233,10 +233,10 @@ std::tuple<Tensor, Tensor, Tensor> fused_backward_cuda(
   p.grad_attn = grad_logits.data_ptr();
   p.ref = f.ref.mutable_data_ptr<float>();
   p.ref_dim = s.boxes ? 4 : 2;
-  Tensor row_stats;
+  std::optional<Tensor> row_stats;
   if (p.plan.deterministic()) {
     row_stats = empty({pb.N * pb.Lq * pb.M, 2}, kFloat, dev);
-    p.row_stats = row_stats.mutable_data_ptr<float>();
+    p.row_stats = row_stats->mutable_data_ptr<float>();
   }
   Tensor grad_value = cuda::run_backward(p, in, cuda::current_stream(dev.index()));
   return {grad_value, to(grad_off, sampling_offsets.scalar_type()),
