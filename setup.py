@@ -232,7 +232,9 @@ def library():
     # it was built with lives: a C++ program's own run path does not reach
     # this library's dependencies.
     link = ["-Wl,-soname,libms_deform_attn.so", torch_rpath()]
-    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include"), GENERATED]
+    # share/.../src: library_kernels.h, the interface the layer registers.
+    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include"), GENERATED,
+                    os.path.join(ROOT, LAYER_SOURCES)]
     cuda = want_cuda()
     if cuda and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS

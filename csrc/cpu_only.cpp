@@ -1,8 +1,12 @@
 // A build without the CUDA kernels (no nvcc at build time) still answers
 // CUDA tensors with an error that says so and how to rebuild, on every
-// operator, instead of the dispatcher's generic "no kernel" message.
+// operator, instead of the dispatcher's generic "no kernel" message: these
+// are registered at load, whether or not a layer is (it has no CUDA kernels
+// to register, kernel_table.h).
 #ifndef MSDA_WITH_CUDA
-#include "tensor.h"
+#include "kernel_table.h"
+
+msda::KernelTable msda::cuda_kernels() { return {}; }
 
 namespace {
 

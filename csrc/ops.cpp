@@ -1,11 +1,13 @@
-// The operator's schemas and the backend queries. Kernels are registered
+// The operator's schemas and the backend queries. The kernels are tables
 // per dispatch key in cpu/, cuda/ and fused.cpp (_linear's forward,
-// aten::linear, here); autograd, autocast and the public C++ API are the
-// version-bound layer's (ms_deform_attn/share/ms_deform_attn/src/). All of
-// it through LibTorch's stable ABI (tensor.h).
+// aten::linear, here), registered by the version-bound layer or by
+// registration.cpp; autograd, autocast and the public C++ API are the
+// layer's (ms_deform_attn/share/ms_deform_attn/src/). All of it through
+// LibTorch's stable ABI (tensor.h).
 
 #include "backend_queries.h"
 #include "cuda_archs.h"
+#include "kernel_table.h"
 #include "plan/backward_plan.h"
 #include "ms_deform_attn/version.h"
 #include "validation.h"
@@ -129,7 +131,14 @@ std::string image_error(std::string_view archs, int64_t major, int64_t minor,
                             std::string(device));
 }
 
+constexpr KernelEntry kLinear[] = {
+    MSDA_BOXED_KERNEL(linear_composite, "CompositeExplicitAutograd", "_linear", &linear),
+};
+
 }  // namespace
+
+KernelTable linear_kernels() { return kLinear; }
+
 }  // namespace msda
 
 STABLE_TORCH_LIBRARY(ms_deform_attn, m) {
@@ -188,10 +197,11 @@ STABLE_TORCH_LIBRARY(ms_deform_attn, m) {
       "bool deterministic=False, str grad_value=\"auto\", int sms=-1, int[]? device=None) -> str");
 }
 
-// The host queries and _linear, for every device: CompositeExplicitAutograd
-// kernels also serve calls without tensor arguments.
+// The host queries, for every device: CompositeExplicitAutograd kernels
+// also serve calls without tensor arguments. The kernels of the tables
+// (kernel_table.h) are registered by the layer or on request
+// (registration.cpp).
 STABLE_TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
-  m.impl("_linear", TORCH_BOX(&msda::linear));
   m.impl("_available_backends", TORCH_BOX(&msda::available_backends));
   m.impl("_select_backend", TORCH_BOX(&msda::select));
   m.impl("_backend_reason", TORCH_BOX(&msda::reason));

@@ -1,18 +1,20 @@
-"""Autograd and autocast of the operators, for the torch that runs them.
+"""Kernels, autograd and autocast of the operators, for the torch that runs them.
 
 The operator library (lib/libms_deform_attn.so, LibTorch's stable ABI)
-registers the schemas and the CPU and CUDA kernels under every torch from
-its target release on. Autograd and autocast need LibTorch's full C++ API,
-which changes between releases; they come from one of two places:
+loads into every torch from its target release on and registers the
+schemas. Autograd and autocast need LibTorch's full C++ API, which changes
+between releases; they, and the registration of the library's kernels,
+come from one of two places:
 
 - the C++ layer built for this torch release
   (lib/torch<major>_<minor>/libms_deform_attn_torch.so, from
   share/ms_deform_attn/src: the same code LibTorch programs build), when
-  this build carries one: the fast path;
-- else the Python registrations below (torch.library): the same
-  gradients, saved tensors and autocast casts, but each call pays some
-  tens of microseconds of host time more (docs/development.md gives the
-  figures). A warning says so once.
+  this build carries one: the fast path (kernels registered unboxed);
+- else the library's kernels registered through the stable ABI (boxed,
+  _C.register_boxed_kernels) and the Python registrations below
+  (torch.library): the same results, gradients, saved tensors and autocast
+  casts, but each call pays some tens of microseconds of host time more
+  (docs/development.md gives the figures). A warning says so once.
 
 MS_DEFORM_ATTN_PYTHON_AUTOGRAD=1 takes the Python registrations even where
 a C++ layer exists (the tests run both).
@@ -52,11 +54,14 @@ def load() -> Optional[str]:
     """Registers autograd and autocast; returns the release of the C++ layer
     it loaded, or None where it registered the Python ones."""
     path = layer_path()
-    if os.environ.get("MS_DEFORM_ATTN_PYTHON_AUTOGRAD", "0") != "1" and os.path.exists(path):
+    forced = os.environ.get("MS_DEFORM_ATTN_PYTHON_AUTOGRAD", "0") == "1"
+    if not forced and os.path.exists(path):
         torch.ops.load_library(path)
         return release(torch.__version__)
+    from . import _C
+    _C.register_boxed_kernels()
     _register_python()
-    if os.environ.get("MS_DEFORM_ATTN_PYTHON_AUTOGRAD", "0") != "1":
+    if not forced:
         built = ", ".join(layers_built()) or "none"
         warnings.warn(
             f"ms_deform_attn: this build has its C++ autograd layer for torch {built}, not for "
@@ -127,10 +132,6 @@ def _linear_backward(ctx, grad):
     return gx, gw, gb
 
 
-def _backward_setup(ctx, inputs, output):
-    pass
-
-
 def _no_double_backward(ctx, *grads):
     raise RuntimeError("ms_deform_attn: double backward (differentiating the gradient) is not "
                        "supported")
@@ -155,7 +156,12 @@ def _autocast_kernels(library, key: str, device: str):
         # As torch's linear under autocast: floating arguments but fp64 in
         # the autocast dtype.
         dtype = torch.get_autocast_dtype(device)
-        cast = lambda t: t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t  # noqa: E731,E501
+
+        def cast(t):
+            if t is not None and t.is_floating_point() and t.dtype != torch.float64:
+                return t.to(dtype)
+            return t
+
         with torch._C._ExcludeDispatchKeyGuard(exclude):
             return _lib._linear(cast(x), cast(weight), cast(bias))
 
@@ -173,8 +179,7 @@ def _register_python() -> None:
     reg("ms_deform_attn::ms_deform_attn", _forward_backward, setup_context=_forward_setup)
     reg("ms_deform_attn::ms_deform_attn_fused", _fused_backward, setup_context=_fused_setup)
     reg("ms_deform_attn::_linear", _linear_backward, setup_context=_linear_setup)
-    reg("ms_deform_attn::_ms_deform_attn_backward", _no_double_backward,
-        setup_context=_backward_setup)
+    reg("ms_deform_attn::_ms_deform_attn_backward", _no_double_backward)
     library = torch.library.Library("ms_deform_attn", "IMPL")
     _autocast_kernels(library, "AutocastCUDA", "cuda")
     _autocast_kernels(library, "AutocastCPU", "cpu")

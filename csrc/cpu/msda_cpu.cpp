@@ -3,6 +3,7 @@
 // threads).
 
 #include "../backend_queries.h"
+#include "../kernel_table.h"
 #include "../output.h"
 #include "../validation.h"
 #include "kernels.h"
@@ -70,11 +71,14 @@ Tensor column_sum_cpu(const Tensor& grad) {
   return torch::stable::sum(reshape(grad, {z.rows, z.cols}), std::vector<int64_t>{0});
 }
 
-}  // namespace
-}  // namespace msda
+constexpr KernelEntry kKernels[] = {
+    MSDA_KERNEL(column_sum_cpu, "CPU", "_column_sum", &column_sum_cpu),
+    MSDA_KERNEL(forward_cpu, "CPU", "ms_deform_attn", &forward_cpu),
+    MSDA_KERNEL(backward_cpu, "CPU", "_ms_deform_attn_backward", &backward_cpu),
+};
 
-STABLE_TORCH_LIBRARY_IMPL(ms_deform_attn, CPU, m) {
-  m.impl("_column_sum", TORCH_BOX(&msda::column_sum_cpu));
-  m.impl("ms_deform_attn", TORCH_BOX(&msda::forward_cpu));
-  m.impl("_ms_deform_attn_backward", TORCH_BOX(&msda::backward_cpu));
-}
+}  // namespace
+
+KernelTable cpu_kernels() { return kKernels; }
+
+}  // namespace msda

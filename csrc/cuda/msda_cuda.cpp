@@ -8,6 +8,7 @@
 #include "../backend_queries.h"
 #include "../cuda_archs.h"
 #include "../fused.h"
+#include "../kernel_table.h"
 #include "../output.h"
 #include "../validation.h"
 #include "backward/backward.h"
@@ -271,13 +272,17 @@ Tensor column_sum_cuda(const Tensor& grad) {
   return out;
 }
 
-}  // namespace
-}  // namespace msda
+constexpr KernelEntry kKernels[] = {
+    MSDA_KERNEL(column_sum_cuda, "CUDA", "_column_sum", &column_sum_cuda),
+    MSDA_KERNEL(forward_cuda, "CUDA", "ms_deform_attn", &forward_cuda),
+    MSDA_KERNEL(backward_cuda, "CUDA", "_ms_deform_attn_backward", &backward_cuda),
+    MSDA_KERNEL(fused_forward_cuda, "CUDA", "ms_deform_attn_fused", &fused_forward_cuda),
+    MSDA_KERNEL(fused_backward_cuda, "CUDA", "_ms_deform_attn_fused_backward",
+                &fused_backward_cuda),
+};
 
-STABLE_TORCH_LIBRARY_IMPL(ms_deform_attn, CUDA, m) {
-  m.impl("_column_sum", TORCH_BOX(&msda::column_sum_cuda));
-  m.impl("ms_deform_attn", TORCH_BOX(&msda::forward_cuda));
-  m.impl("_ms_deform_attn_backward", TORCH_BOX(&msda::backward_cuda));
-  m.impl("ms_deform_attn_fused", TORCH_BOX(&msda::fused_forward_cuda));
-  m.impl("_ms_deform_attn_fused_backward", TORCH_BOX(&msda::fused_backward_cuda));
-}
+}  // namespace
+
+KernelTable cuda_kernels() { return kKernels; }
+
+}  // namespace msda

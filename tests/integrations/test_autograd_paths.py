@@ -118,3 +118,38 @@ def test_layer_loading_names_the_release():
     assert _layer.release("2.14.1+cu130") == "2.14"
     assert _layer.layer_path("2.13.0").endswith(os.path.join("lib", "torch2_13",
                                                              "libms_deform_attn_torch.so"))
+
+
+# The kernels of the library's tables (csrc/kernel_table.h), by dispatch key.
+TABLE_KERNELS = {
+    "CPU": ["ms_deform_attn", "_ms_deform_attn_backward", "_column_sum"],
+    "CompositeExplicitAutograd": ["ms_deform_attn_fused", "_ms_deform_attn_fused_backward",
+                                  "_ms_deform_attn_fused_backward_ref", "_linear"],
+    "CUDA": ["ms_deform_attn", "_ms_deform_attn_backward", "_column_sum", "ms_deform_attn_fused",
+             "_ms_deform_attn_fused_backward"],
+}
+
+
+def registered_at(op: str, key: str) -> str:
+    """The source file that registered op's kernel for key ("" if none)."""
+    for line in torch._C._dispatch_dump(f"ms_deform_attn::{op}").splitlines():
+        name, _, rest = line.partition(": registered at ")
+        if rest and name.split("[")[0] == key:
+            return os.path.basename(rest.split(":")[0])
+    return ""
+
+
+def test_kernels_are_registered_by_one_home():
+    """The layer registers the library's kernels unboxed (kernels.cpp); a
+    process without it registers them boxed through the stable ABI
+    (registration.cpp); a CPU-only build answers CUDA tensors from
+    cpu_only.cpp either way."""
+    import ms_deform_attn as msda
+
+    home = "kernels.cpp" if msda._ops.torch_layer else "registration.cpp"
+    for key, ops in TABLE_KERNELS.items():
+        for op in ops:
+            expected = home
+            if key == "CUDA" and not msda._ops._CUDA_KERNELS:
+                expected = "cpu_only.cpp"
+            assert registered_at(op, key) == expected, (op, key)

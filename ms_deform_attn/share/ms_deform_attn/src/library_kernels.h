@@ -1,0 +1,59 @@
+// The operator library's kernels as plain functions over torch's C tensor
+// handles, for the version-bound layer: it registers them unboxed on the
+// CPU, CUDA and CompositeExplicitAutograd keys (kernels.cpp), so that a call
+// pays no boxing. A kernel registered through the stable ABI is boxed: each
+// call converts every argument to an IValue and a stable handle and back.
+// Where no layer is loaded (a torch release the build has none for), the
+// library registers the same functions boxed instead
+// (ms_deform_attn_register_boxed_kernels); never both.
+//
+// Shared by the library (csrc/registration.cpp) and the layer: plain types
+// only, no ATen and no stable Tensor.
+#pragma once
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+#include <cstdint>
+#include <string_view>
+
+namespace msda::library {
+
+enum class Kernel : int {
+  forward_cpu,
+  backward_cpu,
+  column_sum_cpu,
+  forward_cuda,
+  backward_cuda,
+  column_sum_cuda,
+  fused_forward_cuda,
+  fused_backward_cuda,
+  fused_forward_composite,
+  fused_backward_composite,
+  fused_backward_ref_composite,
+  linear_composite,
+};
+
+// One call of a kernel: its arguments in schema order, tensors apart.
+struct Call {
+  // The tensor arguments: new handles, which the kernel takes over (it
+  // deletes them, also when it raises).
+  AtenTensorHandle* in = nullptr;
+  // The results: new handles, the caller's to delete.
+  AtenTensorHandle* out = nullptr;
+  std::string_view backend = "auto";
+  int deterministic = -1;  // -1: None
+  const int64_t* shapes_list = nullptr;
+  int64_t shapes_list_len = -1;  // -1: None
+};
+
+// Whether this build has kernel k (the CUDA ones need a CUDA build).
+bool has_kernel(Kernel k);
+
+// Runs kernel k; raises what its registered kernel would (std::runtime_error).
+void run_kernel(Kernel k, Call& call);
+
+}  // namespace msda::library
+
+// Registers every kernel through the stable ABI (boxed), for a process
+// without the layer; once, whatever the number of calls.
+extern "C" void ms_deform_attn_register_boxed_kernels(void);
