@@ -14,8 +14,6 @@
 #include <array>
 #include <cstdint>
 #include <optional>
-#include <sstream>
-#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -51,9 +49,6 @@ std::string shape_str(const Tensor& t);       // "[2, 3, 4]"
 
 inline bool is_floating(ScalarType t) {
   return t == kFloat || t == kHalf || t == kBFloat16 || t == kDouble;
-}
-inline bool same_device(const Tensor& a, const Tensor& b) {
-  return a.device() == b.device();
 }
 inline Shape sizes_of(const Tensor& t) {
   const auto s = t.sizes();

@@ -45,12 +45,12 @@ void check_host_tensors(const Tensor& spatial_shapes, const Tensor& level_start_
 // backend follows spatial_shapes on any level where a device tensor
 // disagrees with the list, so a wrong list never reads out of bounds.
 std::vector<int64_t> check_list(const std::vector<int64_t>& list, const Tensor& spatial_shapes,
-                                const Problem& pb) {
+                                bool host, const Problem& pb) {
   MSDA_CHECK(static_cast<int64_t>(list.size()) == 2 * pb.L, kOp,
               "spatial_shapes_list must hold one (H, W) pair per level, ", 2 * pb.L,
               " numbers for spatial_shapes.size(0) = ", pb.L, " levels, got ", list.size());
   check_levels(list.data(), nullptr, "spatial_shapes_list", pb);
-  if (spatial_shapes.device().is_cpu()) {
+  if (host) {
     const auto shapes = make_contiguous(spatial_shapes);
     const int64_t* sh = shapes.mutable_data_ptr<int64_t>();
     for (int l = 0; l < pb.L; ++l) {
@@ -62,25 +62,31 @@ std::vector<int64_t> check_list(const std::vector<int64_t>& list, const Tensor& 
   return std::vector<int64_t>(list.begin(), list.end());
 }
 
-void check_rank(const Tensor& t, const char* name, int64_t rank, const char* layout) {
-  MSDA_CHECK(t.dim() == rank, kOp, name, " must have ", rank, " dimensions ", layout,
-              ", got ", t.dim(), " (shape ", shape_str(t), ")");
+// What validation reads of a tensor, read once: each accessor of a stable
+// tensor is a call into torch's C shim, on every call's path.
+struct Meta {
+  explicit Meta(const Tensor& t) : sizes(t.sizes()), dtype(t.scalar_type()), device(t.device()) {}
+  int64_t dim() const { return static_cast<int64_t>(sizes.size()); }
+  decltype(std::declval<const Tensor&>().sizes()) sizes;
+  ScalarType dtype;
+  Device device;
+};
+
+void check_rank(const Tensor& t, const Meta& m, const char* name, int64_t rank,
+                const char* layout) {
+  MSDA_CHECK(m.dim() == rank, kOp, name, " must have ", rank, " dimensions ", layout, ", got ",
+             m.dim(), " (shape ", shape_str(t), ")");
 }
 
-void check_size(const Tensor& t, const char* name, int64_t dim, const char* what,
-                int64_t expected, const char* source) {
-  MSDA_CHECK(t.size(dim) == expected, kOp, name, ".size(", dim, ") (", what, ") must equal ",
-              source, " = ", expected, ", got ", t.size(dim));
+void check_size(const Meta& m, const char* name, int64_t dim, const char* what, int64_t expected,
+                const char* source) {
+  MSDA_CHECK(m.sizes[dim] == expected, kOp, name, ".size(", dim, ") (", what, ") must equal ",
+             source, " = ", expected, ", got ", m.sizes[dim]);
 }
 
-bool is_float_kind(ScalarType t) {
-  return t == kFloat || t == kHalf || t == kBFloat16 || t == kDouble;
-}
-
-void check_loc_dtype(const Tensor& t, const char* name, ScalarType vt) {
-  MSDA_CHECK(t.scalar_type() == vt || t.scalar_type() == kFloat, kOp, name,
-              " must have the value's dtype (", dtype_name(vt), ") or float32, got ",
-             dtype_name(t.scalar_type()));
+void check_loc_dtype(ScalarType t, const char* name, ScalarType vt) {
+  MSDA_CHECK(t == vt || t == kFloat, kOp, name, " must have the value's dtype (", dtype_name(vt),
+             ") or float32, got ", dtype_name(t));
 }
 
 // Wider of two floating dtypes among {value dtype, float32}.
@@ -106,9 +112,9 @@ ColumnSumSizes check_column_sum(const Tensor& grad) {
   MSDA_CHECK(grad.dim() >= 1, "ms_deform_attn._column_sum: grad must have at least 1 dimension, got ",
               grad.dim());
   const auto t = grad.scalar_type();
-  MSDA_CHECK(t == kFloat || t == kHalf || t == kBFloat16 || t == kDouble,
-              "ms_deform_attn._column_sum: grad must be float32, float16, bfloat16 or float64, got ",
-              dtype_name(t));
+  MSDA_CHECK(is_floating(t),
+             "ms_deform_attn._column_sum: grad must be float32, float16, bfloat16 or float64, got ",
+             dtype_name(t));
   const int64_t cols = grad.size(grad.dim() - 1);
   return {cols == 0 ? 0 : grad.numel() / cols, cols};
 }
@@ -118,96 +124,96 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
                      const Tensor& attention_weights, std::string_view backend,
                      const IntListOpt& spatial_shapes_list) {
   check_backend_name(backend);
+  const Meta v(value), sh(spatial_shapes), st(level_start_index), lo(sampling_locations),
+      at(attention_weights);
 
   // Ranks.
-  check_rank(value, "value", 4, "(N, S, M, D)");
-  check_rank(spatial_shapes, "spatial_shapes", 2, "(L, 2)");
-  check_rank(level_start_index, "level_start_index", 1, "(L,)");
-  check_rank(sampling_locations, "sampling_locations", 6, "(N, Lq, M, L, P, 2)");
-  check_rank(attention_weights, "attention_weights", 5, "(N, Lq, M, L, P)");
+  check_rank(value, v, "value", 4, "(N, S, M, D)");
+  check_rank(spatial_shapes, sh, "spatial_shapes", 2, "(L, 2)");
+  check_rank(level_start_index, st, "level_start_index", 1, "(L,)");
+  check_rank(sampling_locations, lo, "sampling_locations", 6, "(N, Lq, M, L, P, 2)");
+  check_rank(attention_weights, at, "attention_weights", 5, "(N, Lq, M, L, P)");
 
   // Devices.
-  const auto dev = value.device();
-  const std::pair<const Tensor*, const char*> others[] = {
-      {&spatial_shapes, "spatial_shapes"},
-      {&level_start_index, "level_start_index"},
-      {&sampling_locations, "sampling_locations"},
-      {&attention_weights, "attention_weights"}};
-  for (const auto& [t, name] : others) {
-    MSDA_CHECK(t->device() == dev, kOp, name, " must be on the same device as value (",
-               device_name(dev), "), got ", device_name(t->device()));
+  const std::pair<const Meta*, const char*> others[] = {{&sh, "spatial_shapes"},
+                                                        {&st, "level_start_index"},
+                                                        {&lo, "sampling_locations"},
+                                                        {&at, "attention_weights"}};
+  for (const auto& [m, name] : others) {
+    MSDA_CHECK(m->device == v.device, kOp, name, " must be on the same device as value (",
+               device_name(v.device), "), got ", device_name(m->device));
   }
 
   // Dtypes.
-  const auto vt = value.scalar_type();
-  MSDA_CHECK(is_float_kind(vt), kOp,
-              "value must be float32, float16, bfloat16 or float64, got ", dtype_name(vt));
-  MSDA_CHECK(spatial_shapes.scalar_type() == kLong, kOp,
-              "spatial_shapes must be int64 (torch.long), got ",
-             dtype_name(spatial_shapes.scalar_type()));
-  MSDA_CHECK(level_start_index.scalar_type() == kLong, kOp,
-              "level_start_index must be int64 (torch.long), got ",
-              dtype_name(level_start_index.scalar_type()));
-  check_loc_dtype(sampling_locations, "sampling_locations", vt);
-  check_loc_dtype(attention_weights, "attention_weights", vt);
+  const auto vt = v.dtype;
+  MSDA_CHECK(is_floating(vt), kOp, "value must be float32, float16, bfloat16 or float64, got ",
+             dtype_name(vt));
+  MSDA_CHECK(sh.dtype == kLong, kOp, "spatial_shapes must be int64 (torch.long), got ",
+             dtype_name(sh.dtype));
+  MSDA_CHECK(st.dtype == kLong, kOp, "level_start_index must be int64 (torch.long), got ",
+             dtype_name(st.dtype));
+  check_loc_dtype(lo.dtype, "sampling_locations", vt);
+  check_loc_dtype(at.dtype, "attention_weights", vt);
 
   // Sizes.
   Checked c;
   Problem& pb = c.pb;
-  pb.N = value.size(0);
-  pb.S = value.size(1);
-  pb.M = value.size(2);
-  pb.D = value.size(3);
+  pb.N = v.sizes[0];
+  pb.S = v.sizes[1];
+  pb.M = v.sizes[2];
+  pb.D = v.sizes[3];
   pb.value_head_major = value_is_head_major(value);
-  pb.L = static_cast<int>(spatial_shapes.size(0));
-  pb.Lq = sampling_locations.size(1);
-  pb.P = static_cast<int>(sampling_locations.size(4));
-  MSDA_CHECK(spatial_shapes.size(1) == 2, kOp,
-              "spatial_shapes.size(1) must be 2 ((H, W) per level), got ", spatial_shapes.size(1));
-  MSDA_CHECK(pb.L >= 1 && pb.L <= kMaxLevels, kOp, "spatial_shapes.size(0) (levels) must be in [1, ",
-              kMaxLevels, "], got ", spatial_shapes.size(0));
+  pb.L = static_cast<int>(sh.sizes[0]);
+  pb.Lq = lo.sizes[1];
+  pb.P = static_cast<int>(lo.sizes[4]);
+  MSDA_CHECK(sh.sizes[1] == 2, kOp, "spatial_shapes.size(1) must be 2 ((H, W) per level), got ",
+             sh.sizes[1]);
+  MSDA_CHECK(pb.L >= 1 && pb.L <= kMaxLevels, kOp,
+             "spatial_shapes.size(0) (levels) must be in [1, ", kMaxLevels, "], got ", sh.sizes[0]);
   // Every level has a pixel: the kernels rely on S >= L (a device-side level
   // table that fails its check reads pixel 0 of each level).
   MSDA_CHECK(pb.S >= pb.L, kOp, "value.size(1) (S) must be at least the number of levels (",
-              pb.L, "), every level having H * W >= 1 pixels, got ", pb.S);
+             pb.L, "), every level having H * W >= 1 pixels, got ", pb.S);
   MSDA_CHECK(pb.M >= 1, kOp, "value.size(2) (heads M) must be >= 1, got ", pb.M);
   MSDA_CHECK(pb.D >= 1, kOp, "value.size(3) (channels D) must be >= 1, got ", pb.D);
   MSDA_CHECK(pb.P >= 1, kOp, "sampling_locations.size(4) (points P) must be >= 1, got ", pb.P);
-  MSDA_CHECK(pb.M * pb.D <= INT32_MAX, kOp, "value.size(2) * value.size(3) (M * D) must be < 2^31, got ",
-              pb.M * pb.D);
-  MSDA_CHECK(pb.M * pb.D * value.element_size() <= UINT32_MAX, kOp,
-              "one pixel of value (M * D * element size) must be < 4 GiB, got ",
-              pb.M * pb.D * value.element_size(), " bytes");
-  check_size(level_start_index, "level_start_index", 0, "levels L", pb.L, "spatial_shapes.size(0)");
-  check_size(sampling_locations, "sampling_locations", 0, "batch N", pb.N, "value.size(0)");
-  check_size(sampling_locations, "sampling_locations", 2, "heads M", pb.M, "value.size(2)");
-  check_size(sampling_locations, "sampling_locations", 3, "levels L", pb.L, "spatial_shapes.size(0)");
-  MSDA_CHECK(sampling_locations.size(5) == 2, kOp,
-              "sampling_locations.size(5) must be 2 ((x, y)), got ", sampling_locations.size(5));
-  check_size(attention_weights, "attention_weights", 0, "batch N", pb.N, "value.size(0)");
-  check_size(attention_weights, "attention_weights", 1, "queries Lq", pb.Lq,
-             "sampling_locations.size(1)");
-  check_size(attention_weights, "attention_weights", 2, "heads M", pb.M, "value.size(2)");
-  check_size(attention_weights, "attention_weights", 3, "levels L", pb.L, "spatial_shapes.size(0)");
-  check_size(attention_weights, "attention_weights", 4, "points P", pb.P,
-             "sampling_locations.size(4)");
+  MSDA_CHECK(pb.M * pb.D <= INT32_MAX, kOp,
+             "value.size(2) * value.size(3) (M * D) must be < 2^31, got ", pb.M * pb.D);
+  const int64_t pixel_bytes = pb.M * pb.D * static_cast<int64_t>(value.element_size());
+  MSDA_CHECK(pixel_bytes <= UINT32_MAX, kOp,
+             "one pixel of value (M * D * element size) must be < 4 GiB, got ", pixel_bytes,
+             " bytes");
+  check_size(st, "level_start_index", 0, "levels L", pb.L, "spatial_shapes.size(0)");
+  check_size(lo, "sampling_locations", 0, "batch N", pb.N, "value.size(0)");
+  check_size(lo, "sampling_locations", 2, "heads M", pb.M, "value.size(2)");
+  check_size(lo, "sampling_locations", 3, "levels L", pb.L, "spatial_shapes.size(0)");
+  MSDA_CHECK(lo.sizes[5] == 2, kOp, "sampling_locations.size(5) must be 2 ((x, y)), got ",
+             lo.sizes[5]);
+  check_size(at, "attention_weights", 0, "batch N", pb.N, "value.size(0)");
+  check_size(at, "attention_weights", 1, "queries Lq", pb.Lq, "sampling_locations.size(1)");
+  check_size(at, "attention_weights", 2, "heads M", pb.M, "value.size(2)");
+  check_size(at, "attention_weights", 3, "levels L", pb.L, "spatial_shapes.size(0)");
+  check_size(at, "attention_weights", 4, "points P", pb.P, "sampling_locations.size(4)");
 
   // Level shapes, wherever the host has them. The list first: on CUDA it is
   // the only host-side source.
+  const bool host = sh.device.is_cpu();
   if (spatial_shapes_list.has_value()) {
-    c.host_shapes = check_list(*spatial_shapes_list, spatial_shapes, pb);
+    c.host_shapes = check_list(*spatial_shapes_list, spatial_shapes, host, pb);
     pb.host_shapes = true;
   }
-  if (spatial_shapes.device().is_cpu()) {
+  if (host) {
     check_host_tensors(spatial_shapes, level_start_index, pb);
   } else if (check_shapes_on_host()) {
     const Device cpu(torch::headeronly::DeviceType::CPU);
-    check_host_tensors(torch::stable::to(spatial_shapes, cpu), torch::stable::to(level_start_index, cpu), pb);
+    check_host_tensors(torch::stable::to(spatial_shapes, cpu),
+                       torch::stable::to(level_start_index, cpu), pb);
   }
 
-  const auto lt = wider(sampling_locations.scalar_type(), attention_weights.scalar_type());
+  c.loc_dtype_in = lo.dtype;
+  c.attn_dtype_in = at.dtype;
   pb.value_dtype = to_dtype(vt);
-  pb.loc_dtype = to_dtype(lt);
+  pb.loc_dtype = to_dtype(wider(lo.dtype, at.dtype));
   return c;
 }
 
@@ -231,16 +237,17 @@ Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
                         const IntListOpt& spatial_shapes_list) {
   Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                            attention_weights, backend, spatial_shapes_list);
-  const ScalarType loc_in = sampling_locations.scalar_type();
-  const ScalarType attn_in = attention_weights.scalar_type();
+  const ScalarType loc_in = c.loc_dtype_in, attn_in = c.attn_dtype_in;
   const auto lt = wider(loc_in, attn_in);
   // Built whole: a default-constructed stable Tensor costs an allocation.
   return Prepared{c.pb,
                   c.pb.value_head_major ? value : make_contiguous(value),
                   make_contiguous(spatial_shapes),
                   make_contiguous(level_start_index),
-                  make_contiguous(to(sampling_locations, lt)),
-                  make_contiguous(to(attention_weights, lt)),
+                  make_contiguous(lt == loc_in ? sampling_locations
+                                               : torch::stable::to(sampling_locations, lt)),
+                  make_contiguous(lt == attn_in ? attention_weights
+                                                : torch::stable::to(attention_weights, lt)),
                   loc_in,
                   attn_in,
                   std::move(c.host_shapes)};

@@ -12,12 +12,13 @@
 
 namespace msda {
 
-// What validation learns on the host: the problem's sizes and dtypes, and the
+// What validation learns on the host: the problem's sizes and dtypes, the
 // level shapes when the host has them (spatial_shapes_list, flattened
-// (H0, W0, H1, ...), or empty).
+// (H0, W0, H1, ...), or empty), the dtypes the caller passed.
 struct Checked {
   Problem pb;
   std::vector<int64_t> host_shapes;
+  ScalarType loc_dtype_in, attn_dtype_in;
 };
 
 // Validates every argument and raises an error naming the argument, the
