@@ -6,6 +6,7 @@
 // (cuda/msda_cuda.cpp). The autograd kernel (share/ms_deform_attn/src/autograd.cpp) saves
 // the raw inputs.
 #include "fused.h"
+#include "kernel_table.h"
 
 namespace msda {
 namespace {
@@ -158,14 +159,14 @@ std::tuple<Tensor, Tensor, Tensor> fused_input_grads(
   Tensor grad_off, grad_ref;
   if (s.boxes) {
     const Tensor wh = ref_columns(reference_points, 2, 2, s.coord);
-    grad_off = mul(mul(div(gl, constant(static_cast<double>(s.P), s.coord)), wh),
-                   constant(0.5, s.coord));
+    const Tensor points = constant(static_cast<double>(s.P), s.coord);
+    const Tensor half = constant(0.5, s.coord);
+    grad_off = mul(mul(div(gl, points), wh), half);
     if (ref_grad) {
       // loc = xy + off / P * wh * 0.5: d/dxy sums over heads and points,
       // d/dwh sums gl * off / P * 0.5.
       const Tensor off = to(sampling_offsets, s.coord);
-      const Tensor d_wh = mul(div(mul(gl, off), constant(static_cast<double>(s.P), s.coord)),
-                              constant(0.5, s.coord));
+      const Tensor d_wh = mul(div(mul(gl, off), points), half);
       grad_ref = call_op("aten::cat", "",
                          std::vector<Tensor>{sum_heads_points(gl), sum_heads_points(d_wh)},
                          int64_t(-1));
@@ -262,15 +263,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_backward_ref_composite(
                                deterministic, /*ref_grad=*/true);
 }
 
+// Every device; CUDA has its own kernels (cuda/msda_cuda.cpp), which form
+// the locations and weights inside the baseline forward and the sorted
+// backward.
+constexpr KernelEntry kKernels[] = {
+    MSDA_KERNEL(fused_forward_composite, "CompositeExplicitAutograd", "ms_deform_attn_fused",
+                &fused_forward_composite),
+    MSDA_KERNEL(fused_backward_composite, "CompositeExplicitAutograd",
+                "_ms_deform_attn_fused_backward", &fused_backward_composite),
+    MSDA_KERNEL(fused_backward_ref_composite, "CompositeExplicitAutograd",
+                "_ms_deform_attn_fused_backward_ref", &fused_backward_ref_composite),
+};
+
 }  // namespace
 
-}  // namespace msda
+KernelTable composite_kernels() { return kKernels; }
 
-// Every device; CUDA registers its own kernels (cuda/msda_cuda.cpp), which
-// form the locations and weights inside the baseline forward and the sorted
-// backward.
-STABLE_TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
-  m.impl("ms_deform_attn_fused", TORCH_BOX(&msda::fused_forward_composite));
-  m.impl("_ms_deform_attn_fused_backward", TORCH_BOX(&msda::fused_backward_composite));
-  m.impl("_ms_deform_attn_fused_backward_ref", TORCH_BOX(&msda::fused_backward_ref_composite));
-}
+}  // namespace msda

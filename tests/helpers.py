@@ -359,3 +359,17 @@ def run_on_two_processes(body, backend):
     if skips and all(r.startswith(("ok", "skip: ")) for r in results.values()):
         pytest.skip(skips[0][len("skip: "):])
     assert results == {0: "ok", 1: "ok"}, results
+
+
+class SmallEncoder(torch.nn.Module):
+    """MSDeformAttn (self-attention on src) and a linear head to a scalar
+    loss: the model the distributed tests train (DDP, FSDP2)."""
+
+    def __init__(self, d_model, n_levels, n_heads, n_points):
+        super().__init__()
+        self.attn = MSDeformAttn(d_model=d_model, n_levels=n_levels, n_heads=n_heads,
+                                 n_points=n_points)
+        self.head = torch.nn.Linear(d_model, 1)
+
+    def forward(self, src, ref, shapes, start):
+        return self.head(self.attn(src, ref, src, shapes, start)).pow(2).mean()

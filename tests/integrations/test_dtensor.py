@@ -116,17 +116,8 @@ def check_fsdp2(mesh, rank):
 
     from torch.distributed.fsdp import fully_shard
 
-    from ms_deform_attn.nn import MSDeformAttn
+    from helpers import SmallEncoder
     from ms_deform_attn.testing import level_tensors
-
-    class Encoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.attn = MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=3)
-            self.head = torch.nn.Linear(32, 1)
-
-        def forward(self, src, ref, shapes, start):
-            return self.head(self.attn(src, ref, src, shapes, start)).pow(2).mean()
 
     shapes, start = level_tensors(LEVELS, "cpu")
     s = sum(h * w for h, w in LEVELS)
@@ -136,7 +127,7 @@ def check_fsdp2(mesh, rank):
         return torch.randn(2, s, 32, generator=g), torch.rand(2, s, 2, 2, generator=g)
 
     torch.manual_seed(0)
-    single = Encoder()
+    single = SmallEncoder(d_model=32, n_levels=2, n_heads=4, n_points=3)
     sharded = copy.deepcopy(single)
     fully_shard(sharded.attn, mesh=mesh)
     fully_shard(sharded, mesh=mesh)

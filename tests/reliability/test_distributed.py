@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import run_on_two_processes
-from ms_deform_attn.nn import MSDeformAttn
+from helpers import SmallEncoder, run_on_two_processes
 from ms_deform_attn.testing import level_tensors
 
 pytestmark = [
@@ -20,14 +19,8 @@ LEVELS = [(12, 16), (6, 8), (3, 4)]
 STEPS = 4
 
 
-class Encoder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn = MSDeformAttn(d_model=64, n_levels=3, n_heads=4, n_points=4)
-        self.head = torch.nn.Linear(64, 1)
-
-    def forward(self, src, ref, shapes, start):
-        return self.head(self.attn(src, ref, src, shapes, start)).mean()
+def Encoder():
+    return SmallEncoder(d_model=64, n_levels=3, n_heads=4, n_points=4)
 
 
 def batch(rank, step, device):
