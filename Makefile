@@ -6,7 +6,9 @@
 # make kernels-build - the in-place build in the Hugging Face `kernels` layout (build/kernels)
 # make wheel  - a wheel in dist/ for the installed torch, with the CUDA kernels for
 #               WHEEL_ARCHS (A100 ... RTX 50: sm_80 sm_86 sm_89 sm_90a sm_100 sm_120, PTX
-#               of the newest); docs/development.md gives its build time and size
+#               of the newest); docs/development.md gives its build time and size.
+#               CUDA=12 or CUDA=13: the wheel of that CUDA major, in dist/cu<major>/,
+#               after checking that torch and nvcc are of it
 # Set FORCE_CUDA=1 to compile the CUDA kernels without a visible GPU; MAX_JOBS
 # bounds the parallel compile jobs. torch must be installed first (README).
 PYTHON ?= python3
@@ -42,8 +44,9 @@ wheel:
 	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "torch is not installed: pip install torch first (README, Install)"; exit 1; }
 	@command -v ninja >/dev/null || $(PYTHON) -c "import ninja" 2>/dev/null || $(PYTHON) -m pip install ninja
 	@$(PYTHON) -c "import wheel" 2>/dev/null || $(PYTHON) -m pip install wheel
+	@if [ -n "$(CUDA)" ]; then $(PYTHON) scripts/wheel_cuda.py "$(CUDA)"; fi
 	FORCE_CUDA=$${FORCE_CUDA:-1} TORCH_CUDA_ARCH_LIST="$(WHEEL_ARCHS)" \
-	  $(PYTHON) -m pip wheel --no-build-isolation --no-deps -w dist .
+	  $(PYTHON) -m pip wheel --no-build-isolation --no-deps -w dist$(if $(CUDA),/cu$(CUDA)) .
 
 kernels-build: build
 	$(PYTHON) scripts/kernels_build.py --out build/kernels
