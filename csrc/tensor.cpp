@@ -21,6 +21,24 @@ int32_t shim_dtype(ScalarType t) {
 
 }  // namespace
 
+ScalarType dtype_of(const Tensor& t) {
+  static const std::array<std::pair<int32_t, ScalarType>, 7> codes = {{
+      {aoti_torch_dtype_float32(), ScalarType::Float},
+      {aoti_torch_dtype_bfloat16(), ScalarType::BFloat16},
+      {aoti_torch_dtype_float16(), ScalarType::Half},
+      {aoti_torch_dtype_int64(), ScalarType::Long},
+      {aoti_torch_dtype_float64(), ScalarType::Double},
+      {aoti_torch_dtype_int32(), ScalarType::Int},
+      {aoti_torch_dtype_uint8(), ScalarType::Byte},
+  }};
+  int32_t code = 0;
+  MSDA_SHIM_CHECK(aoti_torch_get_dtype(t.get(), &code));
+  for (const auto& [c, type] : codes) {
+    if (c == code) return type;
+  }
+  return t.scalar_type();
+}
+
 Tensor empty(const Shape& sizes, ScalarType dtype, const Device& device) {
   Shape strides(sizes.size());
   int64_t stride = 1;

@@ -47,6 +47,11 @@ const char* dtype_name(ScalarType t);         // "Float", "BFloat16", ...
 std::string device_name(const Device& d);     // "cpu", "cuda:0"
 std::string shape_str(const Tensor& t);       // "[2, 3, 4]"
 
+// t.scalar_type() for the dtypes the operator takes, in one call of the C
+// shim (the stable conversion compares the shim's code with each dtype's in
+// turn, a call each).
+ScalarType dtype_of(const Tensor& t);
+
 inline bool is_floating(ScalarType t) {
   return t == kFloat || t == kHalf || t == kBFloat16 || t == kDouble;
 }
@@ -76,6 +81,19 @@ inline Tensor make_contiguous(const Tensor& t) {
 }
 // clone, transpose, reshape, view, narrow, unsqueeze, sum: torch::stable's
 // (found by argument-dependent lookup on Tensor).
+
+// torch's parallel_for over [begin, end) in chunks of at least `grain`.
+// Work of one chunk runs here, as ATen's own parallel_for runs it, without
+// the call through the C shim (a small call's host time).
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  if (end - begin <= std::max<int64_t>(grain, 1)) {
+    f(begin, end);
+    return;
+  }
+  torch::stable::parallel_for(begin, end, grain, f);
+}
 
 // ---- any ATen (or this library's) operator, through the dispatcher ---------
 // call_op<R>("aten::softmax", "int", args...): the arguments in schema order

@@ -65,11 +65,22 @@ std::vector<int64_t> check_list(const std::vector<int64_t>& list, const Tensor& 
 // What validation reads of a tensor, read once: each accessor of a stable
 // tensor is a call into torch's C shim, on every call's path.
 struct Meta {
-  explicit Meta(const Tensor& t) : sizes(t.sizes()), dtype(t.scalar_type()), device(t.device()) {}
+  explicit Meta(const Tensor& t) : tensor(t), sizes(t.sizes()), dtype(dtype_of(t)) {
+    MSDA_SHIM_CHECK(aoti_torch_get_device_type(t.get(), &device_type));
+    MSDA_SHIM_CHECK(aoti_torch_get_device_index(t.get(), &device_index));
+  }
   int64_t dim() const { return static_cast<int64_t>(sizes.size()); }
+  bool same_device(const Meta& o) const {
+    return device_type == o.device_type && device_index == o.device_index;
+  }
+  bool is_cpu() const {
+    static const int32_t cpu = aoti_torch_device_type_cpu();
+    return device_type == cpu;
+  }
+  const Tensor& tensor;
   decltype(std::declval<const Tensor&>().sizes()) sizes;
   ScalarType dtype;
-  Device device;
+  int32_t device_type = 0, device_index = 0;
 };
 
 void check_rank(const Tensor& t, const Meta& m, const char* name, int64_t rank,
@@ -140,8 +151,8 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
                                                         {&lo, "sampling_locations"},
                                                         {&at, "attention_weights"}};
   for (const auto& [m, name] : others) {
-    MSDA_CHECK(m->device == v.device, kOp, name, " must be on the same device as value (",
-               device_name(v.device), "), got ", device_name(m->device));
+    MSDA_CHECK(m->same_device(v), kOp, name, " must be on the same device as value (",
+               device_name(value.device()), "), got ", device_name(m->tensor.device()));
   }
 
   // Dtypes.
@@ -197,7 +208,7 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
 
   // Level shapes, wherever the host has them. The list first: on CUDA it is
   // the only host-side source.
-  const bool host = sh.device.is_cpu();
+  const bool host = sh.is_cpu();
   if (spatial_shapes_list.has_value()) {
     c.host_shapes = check_list(*spatial_shapes_list, spatial_shapes, host, pb);
     pb.host_shapes = true;

@@ -30,8 +30,7 @@ Tensor forward_cpu(const Tensor& value, const Tensor& spatial_shapes,
   p.out = out.data_ptr();
   // About 16k multiply-adds per grain.
   const int64_t grain = std::max<int64_t>(1, 16384 / (4 * pb.L * pb.P * pb.D));
-  torch::stable::parallel_for(0, groups, grain,
-                              [&](int64_t b, int64_t e) { cpu::forward_range(p, b, e); });
+  parallel_for(0, groups, grain, [&](int64_t b, int64_t e) { cpu::forward_range(p, b, e); });
   return out;
 }
 
@@ -58,8 +57,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(
     p.grad_value_acc = grad_value_acc.data_ptr();
     p.grad_loc = grad_loc.data_ptr();
     p.grad_attn = grad_attn.data_ptr();
-    torch::stable::parallel_for(0, pb.N * pb.M, 1,
-                                [&](int64_t b, int64_t e) { cpu::backward_range(p, b, e); });
+    parallel_for(0, pb.N * pb.M, 1, [&](int64_t b, int64_t e) { cpu::backward_range(p, b, e); });
   }
   return {to(grad_value_acc, in.value.scalar_type()), to(grad_loc, in.loc_dtype_in),
           to(grad_attn, in.attn_dtype_in)};
