@@ -7,6 +7,10 @@
 #   ktimes  scripts/kernel_times.py on both (KT="workload dtype;...")
 #   layerk  scripts/layer_kernels.py on both (LK="workload dtype impl;...")
 #   bench   python -m benchmarks.run on both (BENCH: its arguments)
+#   bitwise scripts/bitwise_outputs.py on both, then compared (the same kernels
+#           must give the same bits)
+#   host    benchmarks/host_overhead.py (this tree's) on both, alternated
+#           HOST_ROUNDS times (default 4) on one core (HOST: its arguments)
 # Logs and JSON under $OUT (all.tgz holds them together).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +41,15 @@ for s in ${AB_STAGES:-test ktimes bench}; do
         for r in "${runs[@]}"; do (cd $d && python scripts/layer_kernels.py $r) 2>&1 | sed "s/^/$t /"; done \
           | grep -E "total|==|grad_value|dots|pack|Onesweep|cell_starts|footprints"
       done | tee "$OUT/layerk.txt" ;;
+    bitwise) for t in old new; do d=$NEW; [ $t = old ] && d=$OLD
+        python scripts/bitwise_outputs.py save $d "$OUT/bitwise_$t.pt" 2>&1 | tail -1
+      done
+      python scripts/bitwise_outputs.py compare "$OUT/bitwise_old.pt" "$OUT/bitwise_new.pt" | tee "$OUT/bitwise.txt"
+      rm -f "$OUT"/bitwise_*.pt ;;
+    host) for i in $(seq ${HOST_ROUNDS:-4}); do for t in old new; do d=$NEW; [ $t = old ] && d=$OLD
+        PYTHONPATH=$d taskset -c 3 python $NEW/benchmarks/host_overhead.py ${HOST:---workload ddetr_dec} 2>&1 \
+          | grep -v Warn | sed "s/^/$t /"
+      done; done | tee "$OUT/host.txt" ;;
   esac
 done
 cd "$OUT" && tar czf all.tgz *.log *.txt bench_* 2>/dev/null; ls "$OUT"
