@@ -3,6 +3,7 @@
 // it, this library, boxed through the stable ABI, once asked to
 // (ms_deform_attn_register_boxed_kernels). The schemas and the host queries
 // are registered at load either way (ops.cpp).
+#include <array>
 #include <list>
 #include <mutex>
 
@@ -14,13 +15,18 @@ namespace {
 constexpr KernelTable (*kTables[])() = {cpu_kernels, cuda_kernels, composite_kernels,
                                          linear_kernels};
 
+// Every kernel's entry by its id, gathered once (null: none in this build).
 const KernelEntry* find(Kernel k) {
-  for (auto table : kTables) {
-    for (const KernelEntry& e : table()) {
-      if (e.id == k) return &e;
+  using Index = std::array<const KernelEntry*, static_cast<size_t>(Kernel::count)>;
+  static const Index index = [] {
+    Index entries{};
+    for (auto table : kTables) {
+      for (const KernelEntry& e : table()) entries[static_cast<size_t>(e.id)] = &e;
     }
-  }
-  return nullptr;
+    return entries;
+  }();
+  const auto i = static_cast<size_t>(k);
+  return i < index.size() ? index[i] : nullptr;
 }
 
 }  // namespace
@@ -34,8 +40,12 @@ bool has_kernel(Kernel k) {
 
 void run_kernel(Kernel k, Call& call) {
   const KernelEntry* e = find(k);
-  MSDA_CHECK(e != nullptr && e->unboxed != nullptr, "ms_deform_attn: this build has no kernel ",
-             static_cast<int>(k), " (the layer and the library were built apart)");
+  if (e == nullptr || e->unboxed == nullptr) {
+    // The call's handles are this function's (Call) whether it runs or not.
+    for (size_t i = 0; i < call.in_count; ++i) aoti_torch_delete_tensor_object(call.in[i]);
+    detail::fail("ms_deform_attn: this build has no kernel ", static_cast<int>(k),
+                 " (the layer and the library were built apart)");
+  }
   e->unboxed(call);
 }
 

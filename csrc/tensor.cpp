@@ -6,23 +6,14 @@ namespace msda {
 
 namespace {
 
-int32_t shim_dtype(ScalarType t) {
-  switch (t) {
-    case ScalarType::Float: return aoti_torch_dtype_float32();
-    case ScalarType::Double: return aoti_torch_dtype_float64();
-    case ScalarType::Half: return aoti_torch_dtype_float16();
-    case ScalarType::BFloat16: return aoti_torch_dtype_bfloat16();
-    case ScalarType::Long: return aoti_torch_dtype_int64();
-    case ScalarType::Int: return aoti_torch_dtype_int32();
-    case ScalarType::Byte: return aoti_torch_dtype_uint8();
-    default: detail::fail("ms_deform_attn: no allocation of dtype ", dtype_name(t));
-  }
-}
-
-}  // namespace
-
-ScalarType dtype_of(const Tensor& t) {
-  static const std::array<std::pair<int32_t, ScalarType>, 7> codes = {{
+// The dtypes the library allocates or reads, with the C shim's code of each;
+// the shim's codes are read once.
+struct DtypeCode {
+  int32_t code;
+  ScalarType type;
+};
+const std::array<DtypeCode, 7>& dtype_codes() {
+  static const std::array<DtypeCode, 7> codes = {{
       {aoti_torch_dtype_float32(), ScalarType::Float},
       {aoti_torch_dtype_bfloat16(), ScalarType::BFloat16},
       {aoti_torch_dtype_float16(), ScalarType::Half},
@@ -31,9 +22,22 @@ ScalarType dtype_of(const Tensor& t) {
       {aoti_torch_dtype_int32(), ScalarType::Int},
       {aoti_torch_dtype_uint8(), ScalarType::Byte},
   }};
+  return codes;
+}
+
+int32_t shim_dtype(ScalarType t) {
+  for (const auto& [code, type] : dtype_codes()) {
+    if (type == t) return code;
+  }
+  detail::fail("ms_deform_attn: no allocation of dtype ", dtype_name(t));
+}
+
+}  // namespace
+
+ScalarType dtype_of(const Tensor& t) {
   int32_t code = 0;
   MSDA_SHIM_CHECK(aoti_torch_get_dtype(t.get(), &code));
-  for (const auto& [c, type] : codes) {
+  for (const auto& [c, type] : dtype_codes()) {
     if (c == code) return type;
   }
   return t.scalar_type();

@@ -83,10 +83,9 @@ struct Meta {
   int32_t device_type = 0, device_index = 0;
 };
 
-void check_rank(const Tensor& t, const Meta& m, const char* name, int64_t rank,
-                const char* layout) {
+void check_rank(const Meta& m, const char* name, int64_t rank, const char* layout) {
   MSDA_CHECK(m.dim() == rank, kOp, name, " must have ", rank, " dimensions ", layout, ", got ",
-             m.dim(), " (shape ", shape_str(t), ")");
+             m.dim(), " (shape ", shape_str(m.tensor), ")");
 }
 
 void check_size(const Meta& m, const char* name, int64_t dim, const char* what, int64_t expected,
@@ -139,11 +138,11 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
       at(attention_weights);
 
   // Ranks.
-  check_rank(value, v, "value", 4, "(N, S, M, D)");
-  check_rank(spatial_shapes, sh, "spatial_shapes", 2, "(L, 2)");
-  check_rank(level_start_index, st, "level_start_index", 1, "(L,)");
-  check_rank(sampling_locations, lo, "sampling_locations", 6, "(N, Lq, M, L, P, 2)");
-  check_rank(attention_weights, at, "attention_weights", 5, "(N, Lq, M, L, P)");
+  check_rank(v, "value", 4, "(N, S, M, D)");
+  check_rank(sh, "spatial_shapes", 2, "(L, 2)");
+  check_rank(st, "level_start_index", 1, "(L,)");
+  check_rank(lo, "sampling_locations", 6, "(N, Lq, M, L, P, 2)");
+  check_rank(at, "attention_weights", 5, "(N, Lq, M, L, P)");
 
   // Devices.
   const std::pair<const Meta*, const char*> others[] = {{&sh, "spatial_shapes"},

@@ -30,6 +30,7 @@ std::array<at::Tensor, NOut> run(Kernel k, Call call, const T&... tensors) {
   std::array<AtenTensorHandle, sizeof...(T)> in{new_tensor_handle(at::Tensor(tensors))...};
   std::array<AtenTensorHandle, NOut> out{};
   call.in = in.data();
+  call.in_count = in.size();
   call.out = out.data();
   library::run_kernel(k, call);
   std::array<at::Tensor, NOut> results;

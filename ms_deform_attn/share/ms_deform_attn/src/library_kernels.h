@@ -13,6 +13,7 @@
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
@@ -31,6 +32,7 @@ enum class Kernel : int {
   fused_backward_composite,
   fused_backward_ref_composite,
   linear_composite,
+  count,  // the number of kernels; keep last
 };
 
 // One call of a kernel: its arguments in schema order, tensors apart.
@@ -38,6 +40,7 @@ struct Call {
   // The tensor arguments: new handles, which the kernel takes over (it
   // deletes them, also when it raises).
   AtenTensorHandle* in = nullptr;
+  size_t in_count = 0;
   // The results: new handles, the caller's to delete.
   AtenTensorHandle* out = nullptr;
   std::string_view backend = "auto";
