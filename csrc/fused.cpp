@@ -28,8 +28,8 @@ void check_dims(const Tensor& t, const char* name, std::initializer_list<int64_t
 }
 
 void check_float(const Tensor& t, const char* name) {
-  MSDA_CHECK(is_floating(t.scalar_type()), kFusedOp, name,
-              " must be a floating-point tensor, got ", dtype_name(t.scalar_type()));
+  MSDA_CHECK(is_floating(dtype_of(t)), kFusedOp, name,
+              " must be a floating-point tensor, got ", dtype_name(dtype_of(t)));
 }
 
 // (N, Lq, 1, L, 1, k) view of columns [from, from + k) of the reference
@@ -64,7 +64,7 @@ FusedSizes check_fused_inputs(const Tensor& value, const Tensor& spatial_shapes,
   check_dims(value, "value", {-1, -1, -1, -1}, "(N, S, M, D)");
   check_dims(spatial_shapes, "spatial_shapes", {-1, 2}, "(L, 2)");
   FusedSizes s{};
-  s.coord = value.scalar_type() == kDouble ? kDouble : kFloat;
+  s.coord = dtype_of(value) == kDouble ? kDouble : kFloat;
   s.N = value.size(0);
   s.M = value.size(2);
   s.L = spatial_shapes.size(0);
@@ -151,7 +151,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_input_grads(
   const Tensor grad_logits =
       to(view(call_op("aten::_softmax_backward_data", "", g, a, int64_t(-1), s.coord),
               sizes_of(attention_logits)),
-         attention_logits.scalar_type());
+         dtype_of(attention_logits));
   const Tensor gl = to(grad_locations, s.coord);
   auto sum_heads_points = [](const Tensor& t) {
     return torch::stable::sum(t, std::vector<int64_t>{2, 4});
@@ -175,8 +175,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_input_grads(
     grad_off = div(gl, level_wh(spatial_shapes, s.coord));
     if (ref_grad) grad_ref = sum_heads_points(gl);
   }
-  if (ref_grad) grad_ref = to(grad_ref, reference_points.scalar_type());
-  return {grad_ref, to(grad_off, sampling_offsets.scalar_type()), grad_logits};
+  if (ref_grad) grad_ref = to(grad_ref, dtype_of(reference_points));
+  return {grad_ref, to(grad_off, dtype_of(sampling_offsets)), grad_logits};
 }
 
 }  // namespace

@@ -43,17 +43,29 @@ ScalarType dtype_of(const Tensor& t) {
   return t.scalar_type();
 }
 
-Tensor empty(const Shape& sizes, ScalarType dtype, const Device& device) {
-  Shape strides(sizes.size());
+Device device_of(const Tensor& t, int32_t type, int32_t index) {
+  using torch::headeronly::DeviceType;
+  static const int32_t cpu = aoti_torch_device_type_cpu(), cuda = aoti_torch_device_type_cuda();
+  const auto i = static_cast<decltype(t.device().index())>(index);
+  if (type == cuda) return Device(DeviceType::CUDA, i);
+  if (type == cpu) return Device(DeviceType::CPU, i);
+  return t.device();
+}
+
+Tensor empty(Sizes sizes, ScalarType dtype, const Device& device) {
+  constexpr size_t kMaxDims = 8;  // the library's tensors have at most 6
+  MSDA_CHECK(sizes.size() <= kMaxDims, "ms_deform_attn: no allocation of more than ", kMaxDims,
+             " dimensions, got ", sizes.size());
+  std::array<int64_t, kMaxDims> strides{};
   int64_t stride = 1;
   for (size_t i = sizes.size(); i-- > 0;) {
     strides[i] = stride;
-    stride *= std::max<int64_t>(sizes[i], 1);
+    stride *= std::max<int64_t>(sizes.begin()[i], 1);
   }
   const int32_t type = device.is_cuda() ? aoti_torch_device_type_cuda()
                                         : aoti_torch_device_type_cpu();
   AtenTensorHandle handle = nullptr;
-  MSDA_SHIM_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(),
+  MSDA_SHIM_CHECK(aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.begin(),
                                            strides.data(), shim_dtype(dtype), type,
                                            device.has_index() ? device.index() : 0, &handle));
   return Tensor(handle);

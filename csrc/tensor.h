@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -52,8 +53,29 @@ std::string shape_str(const Tensor& t);       // "[2, 3, 4]"
 // turn, a call each).
 ScalarType dtype_of(const Tensor& t);
 
+// t's device, given the C shim's codes of its type and index: CPU and CUDA
+// without further calls (t.device() converts through a chain of them).
+Device device_of(const Tensor& t, int32_t type, int32_t index);
+
+// t's data as T*, for a tensor whose dtype validation has checked (the
+// stable mutable_data_ptr<T> checks it again, a shim call per dtype).
+template <typename T>
+T* data_as(const Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
 inline bool is_floating(ScalarType t) {
   return t == kFloat || t == kHalf || t == kBFloat16 || t == kDouble;
+}
+// Bytes per element of the dtypes the operator takes.
+inline int64_t dtype_size(ScalarType t) {
+  switch (t) {
+    case kDouble: case kLong: return 8;
+    case kFloat: case kInt: return 4;
+    case kHalf: case kBFloat16: return 2;
+    case kByte: return 1;
+    default: detail::fail("ms_deform_attn: no element size for dtype ", dtype_name(t));
+  }
 }
 inline Shape sizes_of(const Tensor& t) {
   const auto s = t.sizes();
@@ -61,19 +83,37 @@ inline Shape sizes_of(const Tensor& t) {
 }
 
 // ---- allocation and views -------------------------------------------------
+// The sizes of a tensor to allocate, not copied: a braced list, a Shape or
+// a tensor's sizes() (each lives until the allocation returns).
+class Sizes {
+ public:
+  Sizes(std::initializer_list<int64_t> s) : data_(s.begin()), size_(s.size()) {}
+  Sizes(const Shape& s) : data_(s.data()), size_(s.size()) {}
+  template <size_t N>
+  Sizes(const std::array<int64_t, N>& s) : data_(s.data()), size_(N) {}
+  Sizes(decltype(std::declval<const Tensor&>().sizes()) s) : data_(s.data()), size_(s.size()) {}
+  const int64_t* begin() const { return data_; }
+  const int64_t* end() const { return data_ + size_; }
+  size_t size() const { return size_; }
+
+ private:
+  const int64_t* data_;
+  size_t size_;
+};
+
 // A contiguous tensor, through the C shim's direct allocation (not a boxed
 // dispatcher call: this is on every call's path).
-Tensor empty(const Shape& sizes, ScalarType dtype, const Device& device);
-inline Tensor zeros(const Shape& sizes, ScalarType dtype, const Device& device) {
+Tensor empty(Sizes sizes, ScalarType dtype, const Device& device);
+inline Tensor zeros(Sizes sizes, ScalarType dtype, const Device& device) {
   Tensor t = empty(sizes, dtype, device);
   torch::stable::zero_(t);
   return t;
 }
-inline Tensor full(const Shape& sizes, double value, ScalarType dtype, const Device& device) {
-  return torch::stable::full(sizes, value, dtype, std::nullopt, device);
+inline Tensor full(Sizes sizes, double value, ScalarType dtype, const Device& device) {
+  return torch::stable::full(Shape(sizes.begin(), sizes.end()), value, dtype, std::nullopt, device);
 }
 inline Tensor to(const Tensor& t, ScalarType dtype) {
-  return t.scalar_type() == dtype ? t : torch::stable::to(t, dtype);
+  return dtype_of(t) == dtype ? t : torch::stable::to(t, dtype);
 }
 // t itself when contiguous (no dispatcher call), else a contiguous copy.
 inline Tensor make_contiguous(const Tensor& t) {

@@ -37,7 +37,7 @@ void check_host_tensors(const Tensor& spatial_shapes, const Tensor& level_start_
                         const Problem& pb) {
   const auto shapes = make_contiguous(spatial_shapes);
   const auto starts = make_contiguous(level_start_index);
-  check_levels(shapes.mutable_data_ptr<int64_t>(), starts.mutable_data_ptr<int64_t>(), "spatial_shapes", pb);
+  check_levels(data_as<int64_t>(shapes), data_as<int64_t>(starts), "spatial_shapes", pb);
 }
 
 // spatial_shapes_list: one (H, W) pair per level covering S, equal to
@@ -52,7 +52,7 @@ std::vector<int64_t> check_list(const std::vector<int64_t>& list, const Tensor& 
   check_levels(list.data(), nullptr, "spatial_shapes_list", pb);
   if (host) {
     const auto shapes = make_contiguous(spatial_shapes);
-    const int64_t* sh = shapes.mutable_data_ptr<int64_t>();
+    const int64_t* sh = data_as<int64_t>(shapes);
     for (int l = 0; l < pb.L; ++l) {
       MSDA_CHECK(sh[2 * l] == list[2 * l] && sh[2 * l + 1] == list[2 * l + 1], kOp,
                   "spatial_shapes_list[", l, "] = (", list[2 * l], ", ", list[2 * l + 1],
@@ -73,6 +73,7 @@ struct Meta {
   bool same_device(const Meta& o) const {
     return device_type == o.device_type && device_index == o.device_index;
   }
+  Device device() const { return device_of(tensor, device_type, device_index); }
   bool is_cpu() const {
     static const int32_t cpu = aoti_torch_device_type_cpu();
     return device_type == cpu;
@@ -121,7 +122,7 @@ DType to_dtype(ScalarType t) {
 ColumnSumSizes check_column_sum(const Tensor& grad) {
   MSDA_CHECK(grad.dim() >= 1, "ms_deform_attn._column_sum: grad must have at least 1 dimension, got ",
               grad.dim());
-  const auto t = grad.scalar_type();
+  const auto t = dtype_of(grad);
   MSDA_CHECK(is_floating(t),
              "ms_deform_attn._column_sum: grad must be float32, float16, bfloat16 or float64, got ",
              dtype_name(t));
@@ -151,7 +152,7 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
                                                         {&at, "attention_weights"}};
   for (const auto& [m, name] : others) {
     MSDA_CHECK(m->same_device(v), kOp, name, " must be on the same device as value (",
-               device_name(value.device()), "), got ", device_name(m->tensor.device()));
+               device_name(v.device()), "), got ", device_name(m->device()));
   }
 
   // Dtypes.
@@ -189,7 +190,7 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
   MSDA_CHECK(pb.P >= 1, kOp, "sampling_locations.size(4) (points P) must be >= 1, got ", pb.P);
   MSDA_CHECK(pb.M * pb.D <= INT32_MAX, kOp,
              "value.size(2) * value.size(3) (M * D) must be < 2^31, got ", pb.M * pb.D);
-  const int64_t pixel_bytes = pb.M * pb.D * static_cast<int64_t>(value.element_size());
+  const int64_t pixel_bytes = pb.M * pb.D * dtype_size(vt);
   MSDA_CHECK(pixel_bytes <= UINT32_MAX, kOp,
              "one pixel of value (M * D * element size) must be < 4 GiB, got ", pixel_bytes,
              " bytes");
@@ -220,6 +221,8 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
                        torch::stable::to(level_start_index, cpu), pb);
   }
 
+  c.value_dtype = vt;
+  c.device = v.device();
   c.loc_dtype_in = lo.dtype;
   c.attn_dtype_in = at.dtype;
   pb.value_dtype = to_dtype(vt);
@@ -235,9 +238,9 @@ void check_grad_output(const Tensor& grad_output, const Problem& pb, const Tenso
                   grad_output.size(1) == pb.Lq && grad_output.size(2) == pb.M * pb.D,
               kOp, "grad_output must have shape (N, Lq, M * D) = (", pb.N, ", ", pb.Lq, ", ",
               pb.M * pb.D, "), got ", shape_str(grad_output));
-  MSDA_CHECK(grad_output.scalar_type() == value.scalar_type(), kOp,
-              "grad_output must have the value's dtype (", dtype_name(value.scalar_type()),
-              "), got ", dtype_name(grad_output.scalar_type()));
+  MSDA_CHECK(dtype_of(grad_output) == dtype_of(value), kOp,
+              "grad_output must have the value's dtype (", dtype_name(dtype_of(value)),
+              "), got ", dtype_name(dtype_of(grad_output)));
 }
 
 Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
@@ -258,8 +261,11 @@ Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
                                                : torch::stable::to(sampling_locations, lt)),
                   make_contiguous(lt == attn_in ? attention_weights
                                                 : torch::stable::to(attention_weights, lt)),
+                  c.value_dtype,
+                  lt,
                   loc_in,
                   attn_in,
+                  c.device,
                   std::move(c.host_shapes)};
 }
 

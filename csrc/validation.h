@@ -18,7 +18,8 @@ namespace msda {
 struct Checked {
   Problem pb;
   std::vector<int64_t> host_shapes;
-  ScalarType loc_dtype_in, attn_dtype_in;
+  ScalarType value_dtype, loc_dtype_in, attn_dtype_in;
+  Device device{torch::headeronly::DeviceType::CPU};  // value's
 };
 
 // Validates every argument and raises an error naming the argument, the
@@ -57,8 +58,10 @@ inline bool value_is_head_major(const Tensor& value) {
 struct Prepared {
   Problem pb;
   Tensor value, spatial_shapes, level_start, loc, attn;
+  ScalarType value_dtype, loc_dtype;       // loc's and attn's, after the widening
   ScalarType loc_dtype_in, attn_dtype_in;  // what the caller passed
-  std::vector<int64_t> host_shapes;            // see Checked
+  Device device;                           // value's
+  std::vector<int64_t> host_shapes;        // see Checked
 };
 
 Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
@@ -72,8 +75,8 @@ template <typename Params>
 void set_inputs(Params& p, const Prepared& in) {
   p.pb = in.pb;
   p.value = in.value.data_ptr();
-  p.spatial_shapes = in.spatial_shapes.mutable_data_ptr<int64_t>();
-  p.level_start = in.level_start.mutable_data_ptr<int64_t>();
+  p.spatial_shapes = data_as<int64_t>(in.spatial_shapes);
+  p.level_start = data_as<int64_t>(in.level_start);
   p.loc = in.loc.data_ptr();
   p.attn = in.attn.data_ptr();
   if constexpr (std::is_same_v<Params, ForwardParams>) {

@@ -20,9 +20,9 @@ Tensor forward_cpu(const Tensor& value, const Tensor& spatial_shapes,
                                      sampling_locations, attention_weights, backend,
                                      spatial_shapes_list);
   // Raises where the backend cannot run.
-  forward_plan(forward_problem(in.pb, in.value.data_ptr(), /*fused=*/false), value.device(), backend);
+  forward_plan(forward_problem(in.pb, in.value.data_ptr(), /*fused=*/false), in.device, backend);
   const auto& pb = in.pb;
-  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.scalar_type(), value.device());
+  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value_dtype, in.device);
   const int64_t groups = pb.N * pb.Lq * pb.M;
   if (groups == 0) return out;
   ForwardParams p;
@@ -45,11 +45,11 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(
   const auto& pb = in.pb;
   check_grad_output(grad_output, pb, value);
   const Tensor gout = make_contiguous(grad_output);
-  const auto acc_type = in.value.scalar_type() == kDouble ? kDouble : kFloat;
-  const Device dev = value.device();
+  const auto acc_type = in.value_dtype == kDouble ? kDouble : kFloat;
+  const Device dev = in.device;
   auto grad_value_acc = value_shaped(pb, acc_type, dev, /*zeroed=*/true);
-  auto grad_loc = new_output(sizes_of(in.loc), in.loc.scalar_type(), dev);
-  auto grad_attn = new_output(sizes_of(in.attn), in.attn.scalar_type(), dev);
+  auto grad_loc = new_output(in.loc.sizes(), in.loc_dtype, dev);
+  auto grad_attn = new_output(in.attn.sizes(), in.loc_dtype, dev);
   if (pb.N * pb.Lq * pb.M > 0) {
     BackwardParams p;
     set_inputs(p, in);
@@ -59,7 +59,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(
     p.grad_attn = grad_attn.data_ptr();
     parallel_for(0, pb.N * pb.M, 1, [&](int64_t b, int64_t e) { cpu::backward_range(p, b, e); });
   }
-  return {to(grad_value_acc, in.value.scalar_type()), to(grad_loc, in.loc_dtype_in),
+  return {to(grad_value_acc, in.value_dtype), to(grad_loc, in.loc_dtype_in),
           to(grad_attn, in.attn_dtype_in)};
 }
 

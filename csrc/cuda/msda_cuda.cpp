@@ -65,7 +65,7 @@ cudaError_t launch(const ForwardParams& p, cudaStream_t stream) {
 
 // The forward's plan for the prepared inputs on value's device.
 ForwardPlan plan_for(const Prepared& in, bool fused, std::string_view backend) {
-  return forward_plan(forward_problem(in.pb, in.value.data_ptr(), fused), in.value.device(),
+  return forward_plan(forward_problem(in.pb, in.value.data_ptr(), fused), in.device,
                       backend);
 }
 
@@ -75,8 +75,8 @@ ForwardPlan plan_for(const Prepared& in, bool fused, std::string_view backend) {
 Tensor launch_forward(Prepared& in, const ForwardPlan& plan, const float* ref = nullptr,
                           int ref_dim = 0) {
   const auto& pb = in.pb;
-  const Device dev = in.value.device();
-  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value.scalar_type(), dev);
+  const Device dev = in.device;
+  auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value_dtype, dev);
   if (out.numel() == 0) return out;
   in.loc = aligned_pairs(in.loc);
   if (plan.copy_value) in.value = clone(in.value);
@@ -126,10 +126,10 @@ FusedPrepared prepare_fused(const FusedSizes& s, const Tensor& value,
                             const Tensor& reference_points, const Tensor& sampling_offsets,
                             const Tensor& attention_logits, std::string_view backend = "auto",
                             const IntListOpt& spatial_shapes_list = std::nullopt) {
-  const auto vt = value.scalar_type();
-  const bool as_is = sampling_offsets.scalar_type() == attention_logits.scalar_type() &&
-                     (sampling_offsets.scalar_type() == vt ||
-                      sampling_offsets.scalar_type() == kFloat);
+  const auto vt = dtype_of(value);
+  const bool as_is = dtype_of(sampling_offsets) == dtype_of(attention_logits) &&
+                     (dtype_of(sampling_offsets) == vt ||
+                      dtype_of(sampling_offsets) == kFloat);
   const Tensor off = as_is ? sampling_offsets : to(sampling_offsets, kFloat);
   const Tensor logits =
       reshape(as_is ? attention_logits : to(attention_logits, kFloat), {s.N, s.Lq, s.M, s.L, s.P});
@@ -163,7 +163,7 @@ Tensor fused_forward_cuda(const Tensor& value, const Tensor& spatial_shapes,
   const ForwardPlan plan = plan_for(f.in, /*fused=*/true, backend);
   if (plan.composite) return composite();
   require_kernel_image(value.get_device_index());
-  return launch_forward(f.in, plan, f.ref.mutable_data_ptr<float>(), s.boxes ? 4 : 2);
+  return launch_forward(f.in, plan, data_as<float>(f.ref), s.boxes ? 4 : 2);
 }
 
 // The backward's parameters for the prepared inputs: grad_output checked
@@ -187,9 +187,9 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
                                attention_weights);
   const cuda::DeviceGuard guard(value.get_device_index());
   require_kernel_image(value.get_device_index());
-  const Device dev = value.device();
-  auto grad_loc = new_output(sizes_of(in.loc), in.loc.scalar_type(), dev);
-  auto grad_attn = new_output(sizes_of(in.attn), in.attn.scalar_type(), dev);
+  const Device dev = in.device;
+  auto grad_loc = new_output(in.loc.sizes(), in.loc_dtype, dev);
+  auto grad_attn = new_output(in.attn.sizes(), in.loc_dtype, dev);
   std::optional<Tensor> gout;
   BackwardParams p = backward_params(in, grad_output, value, gout);
   p.grad_loc = grad_loc.data_ptr();
@@ -221,27 +221,27 @@ std::tuple<Tensor, Tensor, Tensor> fused_backward_cuda(
   Prepared& in = f.in;
   const cuda::DeviceGuard guard(value.get_device_index());
   require_kernel_image(value.get_device_index());
-  const Device dev = value.device();
+  const Device dev = in.device;
   const auto& pb = in.pb;
   std::optional<Tensor> gout;
   BackwardParams p = backward_params(in, grad_output, value, gout);
   p.plan = cuda::plan_for(p, /*fused=*/true, deterministic);
   if (p.plan.composite) return composite();
-  const ScalarType grads = p.plan.dots != DotsKernel::ffma ? in.loc.scalar_type() : kFloat;
-  auto grad_off = new_output(sizes_of(in.loc), grads, dev);
-  auto grad_logits = new_output(sizes_of(in.attn), grads, dev);
+  const ScalarType grads = p.plan.dots != DotsKernel::ffma ? in.loc_dtype : kFloat;
+  auto grad_off = new_output(in.loc.sizes(), grads, dev);
+  auto grad_logits = new_output(in.attn.sizes(), grads, dev);
   p.grad_loc = grad_off.data_ptr();
   p.grad_attn = grad_logits.data_ptr();
-  p.ref = f.ref.mutable_data_ptr<float>();
+  p.ref = data_as<float>(f.ref);
   p.ref_dim = s.boxes ? 4 : 2;
   std::optional<Tensor> row_stats;
   if (p.plan.deterministic()) {
     row_stats = empty({pb.N * pb.Lq * pb.M, 2}, kFloat, dev);
-    p.row_stats = row_stats->mutable_data_ptr<float>();
+    p.row_stats = data_as<float>(*row_stats);
   }
   Tensor grad_value = cuda::run_backward(p, in, cuda::current_stream(dev.index()));
-  return {grad_value, to(grad_off, sampling_offsets.scalar_type()),
-          view(to(grad_logits, attention_logits.scalar_type()), sizes_of(attention_logits))};
+  return {grad_value, to(grad_off, dtype_of(sampling_offsets)),
+          view(to(grad_logits, dtype_of(attention_logits)), sizes_of(attention_logits))};
 }
 
 // _column_sum on CUDA: column_sum.cu's two passes (partial sums of row
@@ -250,12 +250,12 @@ Tensor column_sum_cuda(const Tensor& grad) {
   const ColumnSumSizes z = check_column_sum(grad);
   const Tensor g = make_contiguous(grad);
   const Device dev = g.device();
-  Tensor out = empty({z.cols}, g.scalar_type(), dev);
+  Tensor out = empty({z.cols}, dtype_of(g), dev);
   if (z.cols == 0) return out;
   const cuda::DeviceGuard guard(dev.index());
   require_kernel_image(dev.index());
   cuda::ColumnSumParams p;
-  p.dtype = to_dtype(g.scalar_type());
+  p.dtype = to_dtype(dtype_of(g));
   p.grad = g.data_ptr();
   p.rows = z.rows;
   p.cols = z.cols;
@@ -264,7 +264,7 @@ Tensor column_sum_cuda(const Tensor& grad) {
   DeviceInfo info;
   MSDA_CUDA_CHECK(cuda::device_info(dev.index(), info));
   p.shape = cuda::column_sum_shape(z.rows, z.cols, p.vec, info.sms);
-  const auto acc = g.scalar_type() == kDouble ? kDouble : kFloat;
+  const auto acc = dtype_of(g) == kDouble ? kDouble : kFloat;
   Tensor partial = empty({p.shape.chunks, z.cols}, acc, dev);
   p.partial = partial.data_ptr();
   p.out = out.data_ptr();

@@ -21,8 +21,8 @@ int bits_for(int64_t x) {
 }
 
 Tensor run_atomic_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
-  const auto vt = in.value.scalar_type();
-  auto acc = value_shaped(in.pb, vt == kDouble ? kDouble : kFloat, in.value.device(),
+  const auto vt = in.value_dtype;
+  auto acc = value_shaped(in.pb, vt == kDouble ? kDouble : kFloat, in.device,
                           /*zeroed=*/true);
   if (in.pb.N * in.pb.Lq * in.pb.M > 0) {
     p.grad_value_acc = acc.data_ptr();
@@ -38,14 +38,14 @@ cudaError_t dots(const BackwardParams& p, cudaStream_t stream) {
 // Block-local: the dots kernel writes each sample's record (20 bytes)
 // instead of a key; the other scratch is the blocks' work counter.
 Tensor run_local_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
-  const Device dev = in.value.device();
+  const Device dev = in.device;
   Tensor records = empty({grad_value_local_scratch_bytes(p)}, kByte, dev);
   grad_value_local_records(p, records.data_ptr());
   MSDA_CUDA_CHECK(dots(p, stream));
-  Tensor grad_value = value_shaped(in.pb, in.value.scalar_type(), dev, /*zeroed=*/false);
+  Tensor grad_value = value_shaped(in.pb, in.value_dtype, dev, /*zeroed=*/false);
   Tensor counter = zeros({1}, kInt, dev);
   MSDA_CUDA_CHECK(grad_value_local(p, grad_value.data_ptr(),
-                                  reinterpret_cast<unsigned*>(counter.mutable_data_ptr<int>()), stream));
+                                  reinterpret_cast<unsigned*>(data_as<int>(counter)), stream));
   return grad_value;
 }
 
@@ -59,7 +59,7 @@ Tensor run_sorted_path(BackwardParams& p, const Prepared& in, cudaStream_t strea
   b.cells = pb.N * pb.M * p.cell_stride;
   b.end_bit = bits_for(b.cells);
   b.wide = b.cells >= int64_t(UINT32_MAX) || b.items >= int64_t(UINT32_MAX);
-  const Device dev = in.value.device();
+  const Device dev = in.device;
   const ScalarType idx = b.wide ? kLong : kInt;
   Tensor keys = empty({b.items}, idx, dev), ids = empty({b.items}, idx, dev);
   Tensor sorted_keys = empty({b.items}, idx, dev), sorted_ids = empty({b.items}, idx, dev);
@@ -77,11 +77,11 @@ Tensor run_sorted_path(BackwardParams& p, const Prepared& in, cudaStream_t strea
   b.temp = temp.data_ptr();
   Tensor starts = empty({b.cells + 2}, kLong, dev);
   b.cell_starts = starts.data_ptr();
-  b.big_weights = starts.mutable_data_ptr<int64_t>() + b.cells + 1;  // the last one
-  const auto acc_type = in.value.scalar_type() == kDouble ? kDouble : kFloat;
+  b.big_weights = data_as<int64_t>(starts) + b.cells + 1;  // the last one
+  const auto acc_type = in.value_dtype == kDouble ? kDouble : kFloat;
   Tensor weights = empty({4 * b.items}, acc_type, dev);
   b.weights = weights.data_ptr();
-  Tensor grad_value = value_shaped(in.pb, in.value.scalar_type(), dev, /*zeroed=*/false);
+  Tensor grad_value = value_shaped(in.pb, in.value_dtype, dev, /*zeroed=*/false);
   b.grad_value = grad_value.data_ptr();
   b.vec = p.plan.gather_vec;
   MSDA_CUDA_CHECK(grad_value_sorted(p, b, stream));
@@ -109,7 +109,7 @@ Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream) {
   if (p.plan.grad_value == GradValuePath::atomic) return run_atomic_path(p, in, stream);
   p.cell_stride = 2 * in.pb.S + 2 * in.pb.L;
   if (sample_count(in.pb) == 0) {
-    return value_shaped(in.pb, in.value.scalar_type(), in.value.device(), /*zeroed=*/true);
+    return value_shaped(in.pb, in.value_dtype, in.device, /*zeroed=*/true);
   }
   return p.plan.grad_value == GradValuePath::local ? run_local_path(p, in, stream)
                                                    : run_sorted_path(p, in, stream);
