@@ -79,19 +79,16 @@ decltype(auto) argument(const Call& c, const Tensor* tensors, size_t slot) {
   }
 }
 
-// A new handle to t, for the caller.
-inline AtenTensorHandle release(const Tensor& t) {
-  AtenTensorHandle h = nullptr;
-  MSDA_SHIM_CHECK(aoti_torch_new_tensor_handle(t.get(), &h));
-  return h;
-}
-
+// Hands the results to the caller, borrowed (Call::take_results).
 template <typename R>
-void put_results(const R& r, AtenTensorHandle* out) {
+void put_results(const R& r, const Call& c) {
   if constexpr (std::is_same_v<R, Tensor>) {
-    out[0] = release(r);
+    const AtenTensorHandle h = r.get();
+    c.take_results(c.context, &h);
   } else {
-    std::apply([&](const auto&... t) { size_t i = 0; ((out[i++] = release(t)), ...); }, r);
+    const auto handles = std::apply(
+        [](const auto&... t) { return std::array<AtenTensorHandle, sizeof...(t)>{t.get()...}; }, r);
+    c.take_results(c.context, handles.data());
   }
 }
 
@@ -100,7 +97,7 @@ void call_unboxed(R (*fn)(A...), Call& c, std::index_sequence<I...>, std::index_
   constexpr auto slot = tensor_slots<A...>();
   // Every handle is owned before anything can raise.
   const std::array<Tensor, sizeof...(I)> tensors{Tensor(c.in[I])...};
-  put_results(fn(argument<A>(c, tensors.data(), slot[J])...), c.out);
+  put_results(fn(argument<A>(c, tensors.data(), slot[J])...), c);
 }
 
 template <typename R, typename... A>

@@ -119,6 +119,10 @@ inline Tensor to(const Tensor& t, ScalarType dtype) {
 inline Tensor make_contiguous(const Tensor& t) {
   return t.is_contiguous() ? t : torch::stable::contiguous(t);
 }
+// The same where t's contiguity is known already.
+inline Tensor contiguous_as(const Tensor& t, bool is_contiguous) {
+  return is_contiguous ? t : torch::stable::contiguous(t);
+}
 // clone, transpose, reshape, view, narrow, unsqueeze, sum: torch::stable's
 // (found by argument-dependent lookup on Tensor).
 

@@ -33,41 +33,14 @@ void check_levels(const int64_t* hw, const int64_t* starts, const char* source, 
               source, " = ", total, ", got ", pb.S);
 }
 
-void check_host_tensors(const Tensor& spatial_shapes, const Tensor& level_start_index,
-                        const Problem& pb) {
-  const auto shapes = make_contiguous(spatial_shapes);
-  const auto starts = make_contiguous(level_start_index);
-  check_levels(data_as<int64_t>(shapes), data_as<int64_t>(starts), "spatial_shapes", pb);
-}
-
-// spatial_shapes_list: one (H, W) pair per level covering S, equal to
-// spatial_shapes when that is a host tensor (no sync). On CUDA the tma
-// backend follows spatial_shapes on any level where a device tensor
-// disagrees with the list, so a wrong list never reads out of bounds.
-std::vector<int64_t> check_list(const std::vector<int64_t>& list, const Tensor& spatial_shapes,
-                                bool host, const Problem& pb) {
-  MSDA_CHECK(static_cast<int64_t>(list.size()) == 2 * pb.L, kOp,
-              "spatial_shapes_list must hold one (H, W) pair per level, ", 2 * pb.L,
-              " numbers for spatial_shapes.size(0) = ", pb.L, " levels, got ", list.size());
-  check_levels(list.data(), nullptr, "spatial_shapes_list", pb);
-  if (host) {
-    const auto shapes = make_contiguous(spatial_shapes);
-    const int64_t* sh = data_as<int64_t>(shapes);
-    for (int l = 0; l < pb.L; ++l) {
-      MSDA_CHECK(sh[2 * l] == list[2 * l] && sh[2 * l + 1] == list[2 * l + 1], kOp,
-                  "spatial_shapes_list[", l, "] = (", list[2 * l], ", ", list[2 * l + 1],
-                  ") must equal spatial_shapes[", l, "] = (", sh[2 * l], ", ", sh[2 * l + 1], ")");
-    }
-  }
-  return std::vector<int64_t>(list.begin(), list.end());
-}
-
 // What validation reads of a tensor, read once: each accessor of a stable
 // tensor is a call into torch's C shim, on every call's path.
 struct Meta {
-  explicit Meta(const Tensor& t) : tensor(t), sizes(t.sizes()), dtype(dtype_of(t)) {
+  explicit Meta(const Tensor& t)
+      : tensor(t), sizes(t.sizes()), dtype(dtype_of(t)), contiguous(t.is_contiguous()) {
     MSDA_SHIM_CHECK(aoti_torch_get_device_type(t.get(), &device_type));
-    MSDA_SHIM_CHECK(aoti_torch_get_device_index(t.get(), &device_index));
+    // A CPU tensor's index is -1 (torch's get_device()); ask the others'.
+    if (!is_cpu()) MSDA_SHIM_CHECK(aoti_torch_get_device_index(t.get(), &device_index));
   }
   int64_t dim() const { return static_cast<int64_t>(sizes.size()); }
   bool same_device(const Meta& o) const {
@@ -81,8 +54,39 @@ struct Meta {
   const Tensor& tensor;
   decltype(std::declval<const Tensor&>().sizes()) sizes;
   ScalarType dtype;
-  int32_t device_type = 0, device_index = 0;
+  bool contiguous;
+  int32_t device_type = 0, device_index = -1;
 };
+
+// The level tensors, host tensors of the checked dtype and rank.
+void check_host_tensors(const Meta& spatial_shapes, const Meta& level_start_index,
+                        const Problem& pb) {
+  const Tensor shapes = contiguous_as(spatial_shapes.tensor, spatial_shapes.contiguous);
+  const Tensor starts = contiguous_as(level_start_index.tensor, level_start_index.contiguous);
+  check_levels(data_as<int64_t>(shapes), data_as<int64_t>(starts), "spatial_shapes", pb);
+}
+
+// spatial_shapes_list: one (H, W) pair per level covering S, equal to
+// spatial_shapes when that is a host tensor (no sync). On CUDA the tma
+// backend follows spatial_shapes on any level where a device tensor
+// disagrees with the list, so a wrong list never reads out of bounds.
+void check_list(const std::vector<int64_t>& list, const Meta& spatial_shapes, bool host,
+                const Problem& pb) {
+  MSDA_CHECK(static_cast<int64_t>(list.size()) == 2 * pb.L, kOp,
+              "spatial_shapes_list must hold one (H, W) pair per level, ", 2 * pb.L,
+              " numbers for spatial_shapes.size(0) = ", pb.L, " levels, got ", list.size());
+  check_levels(list.data(), nullptr, "spatial_shapes_list", pb);
+  if (host) {
+    const Tensor shapes = contiguous_as(spatial_shapes.tensor, spatial_shapes.contiguous);
+    const int64_t* sh = data_as<int64_t>(shapes);
+    for (int l = 0; l < pb.L; ++l) {
+      MSDA_CHECK(sh[2 * l] == list[2 * l] && sh[2 * l + 1] == list[2 * l + 1], kOp,
+                  "spatial_shapes_list[", l, "] = (", list[2 * l], ", ", list[2 * l + 1],
+                  ") must equal spatial_shapes[", l, "] = (", sh[2 * l], ", ", sh[2 * l + 1], ")");
+    }
+  }
+}
+
 
 void check_rank(const Meta& m, const char* name, int64_t rank, const char* layout) {
   MSDA_CHECK(m.dim() == rank, kOp, name, " must have ", rank, " dimensions ", layout, ", got ",
@@ -173,7 +177,7 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
   pb.S = v.sizes[1];
   pb.M = v.sizes[2];
   pb.D = v.sizes[3];
-  pb.value_head_major = value_is_head_major(value);
+  pb.value_head_major = !v.contiguous && value_is_head_major(value);
   pb.L = static_cast<int>(sh.sizes[0]);
   pb.Lq = lo.sizes[1];
   pb.P = static_cast<int>(lo.sizes[4]);
@@ -210,16 +214,19 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
   // the only host-side source.
   const bool host = sh.is_cpu();
   if (spatial_shapes_list.has_value()) {
-    c.host_shapes = check_list(*spatial_shapes_list, spatial_shapes, host, pb);
+    check_list(*spatial_shapes_list, sh, host, pb);
+    c.host_shapes = spatial_shapes_list->data();
     pb.host_shapes = true;
   }
   if (host) {
-    check_host_tensors(spatial_shapes, level_start_index, pb);
+    check_host_tensors(sh, st, pb);
   } else if (check_shapes_on_host()) {
     const Device cpu(torch::headeronly::DeviceType::CPU);
-    check_host_tensors(torch::stable::to(spatial_shapes, cpu),
-                       torch::stable::to(level_start_index, cpu), pb);
+    const Tensor shapes = torch::stable::to(spatial_shapes, cpu),
+                 starts = torch::stable::to(level_start_index, cpu);
+    check_host_tensors(Meta(shapes), Meta(starts), pb);
   }
+  c.contiguous = {v.contiguous, sh.contiguous, st.contiguous, lo.contiguous, at.contiguous};
 
   c.value_dtype = vt;
   c.device = v.device();
@@ -253,20 +260,21 @@ Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
   const ScalarType loc_in = c.loc_dtype_in, attn_in = c.attn_dtype_in;
   const auto lt = wider(loc_in, attn_in);
   // Built whole: a default-constructed stable Tensor costs an allocation.
+  const auto& contig = c.contiguous;
   return Prepared{c.pb,
-                  c.pb.value_head_major ? value : make_contiguous(value),
-                  make_contiguous(spatial_shapes),
-                  make_contiguous(level_start_index),
-                  make_contiguous(lt == loc_in ? sampling_locations
-                                               : torch::stable::to(sampling_locations, lt)),
-                  make_contiguous(lt == attn_in ? attention_weights
-                                                : torch::stable::to(attention_weights, lt)),
+                  contiguous_as(value, contig[0] || c.pb.value_head_major),
+                  contiguous_as(spatial_shapes, contig[1]),
+                  contiguous_as(level_start_index, contig[2]),
+                  lt == loc_in ? contiguous_as(sampling_locations, contig[3])
+                               : make_contiguous(torch::stable::to(sampling_locations, lt)),
+                  lt == attn_in ? contiguous_as(attention_weights, contig[4])
+                                : make_contiguous(torch::stable::to(attention_weights, lt)),
                   c.value_dtype,
                   lt,
                   loc_in,
                   attn_in,
                   c.device,
-                  std::move(c.host_shapes)};
+                  c.host_shapes};
 }
 
 }  // namespace msda

@@ -3,6 +3,7 @@
 // wrapper's backward, the backend queries). It never synchronises with a GPU.
 #pragma once
 
+#include <array>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -13,13 +14,15 @@
 namespace msda {
 
 // What validation learns on the host: the problem's sizes and dtypes, the
-// level shapes when the host has them (spatial_shapes_list, flattened
-// (H0, W0, H1, ...), or empty), the dtypes the caller passed.
+// level shapes when the host has them (spatial_shapes_list's numbers,
+// (H0, W0, H1, ...), not copied: the caller's list outlives the call; or
+// null), the dtypes the caller passed.
 struct Checked {
   Problem pb;
-  std::vector<int64_t> host_shapes;
+  const int64_t* host_shapes = nullptr;
   ScalarType value_dtype, loc_dtype_in, attn_dtype_in;
   Device device{torch::headeronly::DeviceType::CPU};  // value's
+  std::array<bool, 5> contiguous{};  // each tensor argument's, in schema order
 };
 
 // Validates every argument and raises an error naming the argument, the
@@ -61,7 +64,7 @@ struct Prepared {
   ScalarType value_dtype, loc_dtype;       // loc's and attn's, after the widening
   ScalarType loc_dtype_in, attn_dtype_in;  // what the caller passed
   Device device;                           // value's
-  std::vector<int64_t> host_shapes;        // see Checked
+  const int64_t* host_shapes;              // see Checked
 };
 
 Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
@@ -80,7 +83,7 @@ void set_inputs(Params& p, const Prepared& in) {
   p.loc = in.loc.data_ptr();
   p.attn = in.attn.data_ptr();
   if constexpr (std::is_same_v<Params, ForwardParams>) {
-    p.host_shapes = in.host_shapes.empty() ? nullptr : in.host_shapes.data();
+    p.host_shapes = in.host_shapes;
   }
 }
 

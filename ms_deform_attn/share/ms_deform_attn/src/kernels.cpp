@@ -28,16 +28,17 @@ template <size_t NOut, typename... T>
 std::array<at::Tensor, NOut> run(Kernel k, Call call, const T&... tensors) {
   using torch::aot_inductor::new_tensor_handle;
   std::array<AtenTensorHandle, sizeof...(T)> in{new_tensor_handle(at::Tensor(tensors))...};
-  std::array<AtenTensorHandle, NOut> out{};
+  std::array<at::Tensor, NOut> results;
   call.in = in.data();
   call.in_count = in.size();
-  call.out = out.data();
+  call.context = &results;
+  call.take_results = [](void* context, const AtenTensorHandle* handles) {
+    auto& r = *static_cast<std::array<at::Tensor, NOut>*>(context);
+    for (size_t i = 0; i < NOut; ++i) {
+      r[i] = *torch::aot_inductor::tensor_handle_to_tensor_pointer(handles[i]);
+    }
+  };
   library::run_kernel(k, call);
-  std::array<at::Tensor, NOut> results;
-  for (size_t i = 0; i < NOut; ++i) {
-    results[i] = std::move(*torch::aot_inductor::tensor_handle_to_tensor_pointer(out[i]));
-    aoti_torch_delete_tensor_object(out[i]);
-  }
   return results;
 }
 

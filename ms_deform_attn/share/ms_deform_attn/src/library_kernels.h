@@ -41,8 +41,11 @@ struct Call {
   // deletes them, also when it raises).
   AtenTensorHandle* in = nullptr;
   size_t in_count = 0;
-  // The results: new handles, the caller's to delete.
-  AtenTensorHandle* out = nullptr;
+  // Receives the results, borrowed: the caller copies the tensors it keeps
+  // (a copy is a reference count, not a new handle). Called once, with the
+  // results in schema order, unless the kernel raises.
+  void (*take_results)(void* context, const AtenTensorHandle* results) = nullptr;
+  void* context = nullptr;
   std::string_view backend = "auto";
   int deterministic = -1;  // -1: None
   const int64_t* shapes_list = nullptr;
