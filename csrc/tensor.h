@@ -115,14 +115,12 @@ inline Tensor full(Sizes sizes, double value, ScalarType dtype, const Device& de
 inline Tensor to(const Tensor& t, ScalarType dtype) {
   return dtype_of(t) == dtype ? t : torch::stable::to(t, dtype);
 }
-// t itself when contiguous (no dispatcher call), else a contiguous copy.
-inline Tensor make_contiguous(const Tensor& t) {
-  return t.is_contiguous() ? t : torch::stable::contiguous(t);
-}
-// The same where t's contiguity is known already.
+// t itself when contiguous (no dispatcher call), else a contiguous copy;
+// contiguous_as where t's contiguity is known already.
 inline Tensor contiguous_as(const Tensor& t, bool is_contiguous) {
   return is_contiguous ? t : torch::stable::contiguous(t);
 }
+inline Tensor make_contiguous(const Tensor& t) { return contiguous_as(t, t.is_contiguous()); }
 // clone, transpose, reshape, view, narrow, unsqueeze, sum: torch::stable's
 // (found by argument-dependent lookup on Tensor).
 
