@@ -17,6 +17,9 @@ inline Tensor new_output(Sizes sizes, ScalarType dtype, const Device& device) {
   if (poison_outputs()) return full(sizes, std::numeric_limits<double>::quiet_NaN(), dtype, device);
   return empty(sizes, dtype, device);
 }
+inline Tensor new_output(SizeList sizes, ScalarType dtype, const Device& device) {
+  return new_output(sizes_in(sizes), dtype, device);
+}
 
 // A tensor of value's shape (N, S, M, D) and layout (pb.value_head_major:
 // the transposed view of a contiguous (N, M, S, D) one), for grad_value and

@@ -83,11 +83,13 @@ inline Shape sizes_of(const Tensor& t) {
 }
 
 // ---- allocation and views -------------------------------------------------
-// The sizes of a tensor to allocate, not copied: a braced list, a Shape or
-// a tensor's sizes() (each lives until the allocation returns).
+// The sizes of a tensor to allocate, not copied: a Shape, an array or a
+// tensor's sizes(), each of which outlives the allocation. A braced list
+// goes to the SizeList overloads below, which keep it alive for the call
+// (a Sizes made from one would point into a temporary).
 class Sizes {
  public:
-  Sizes(std::initializer_list<int64_t> s) : data_(s.begin()), size_(s.size()) {}
+  Sizes(const int64_t* data, size_t size) : data_(data), size_(size) {}
   Sizes(const Shape& s) : data_(s.data()), size_(s.size()) {}
   template <size_t N>
   Sizes(const std::array<int64_t, N>& s) : data_(s.data()), size_(N) {}
@@ -100,17 +102,28 @@ class Sizes {
   const int64_t* data_;
   size_t size_;
 };
+using SizeList = std::initializer_list<int64_t>;
+inline Sizes sizes_in(const SizeList& s) { return Sizes(s.begin(), s.size()); }
 
 // A contiguous tensor, through the C shim's direct allocation (not a boxed
 // dispatcher call: this is on every call's path).
 Tensor empty(Sizes sizes, ScalarType dtype, const Device& device);
+inline Tensor empty(SizeList sizes, ScalarType dtype, const Device& device) {
+  return empty(sizes_in(sizes), dtype, device);
+}
 inline Tensor zeros(Sizes sizes, ScalarType dtype, const Device& device) {
   Tensor t = empty(sizes, dtype, device);
   torch::stable::zero_(t);
   return t;
 }
+inline Tensor zeros(SizeList sizes, ScalarType dtype, const Device& device) {
+  return zeros(sizes_in(sizes), dtype, device);
+}
 inline Tensor full(Sizes sizes, double value, ScalarType dtype, const Device& device) {
   return torch::stable::full(Shape(sizes.begin(), sizes.end()), value, dtype, std::nullopt, device);
+}
+inline Tensor full(SizeList sizes, double value, ScalarType dtype, const Device& device) {
+  return full(sizes_in(sizes), value, dtype, device);
 }
 inline Tensor to(const Tensor& t, ScalarType dtype) {
   return dtype_of(t) == dtype ? t : torch::stable::to(t, dtype);
