@@ -237,17 +237,18 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
   return c;
 }
 
-void check_grad_output(const Tensor& grad_output, const Problem& pb, const Tensor& value) {
-  MSDA_CHECK(grad_output.device() == value.device(), kOp,
-              "grad_output must be on the same device as value (", device_name(value.device()),
-              "), got ", device_name(grad_output.device()));
+void check_grad_output(const Tensor& grad_output, const Prepared& in) {
+  const Problem& pb = in.pb;
+  const Device dev = grad_output.device();
+  MSDA_CHECK(dev == in.device, kOp, "grad_output must be on the same device as value (",
+             device_name(in.device), "), got ", device_name(dev));
   MSDA_CHECK(grad_output.dim() == 3 && grad_output.size(0) == pb.N &&
                   grad_output.size(1) == pb.Lq && grad_output.size(2) == pb.M * pb.D,
               kOp, "grad_output must have shape (N, Lq, M * D) = (", pb.N, ", ", pb.Lq, ", ",
               pb.M * pb.D, "), got ", shape_str(grad_output));
-  MSDA_CHECK(dtype_of(grad_output) == dtype_of(value), kOp,
-              "grad_output must have the value's dtype (", dtype_name(dtype_of(value)),
-              "), got ", dtype_name(dtype_of(grad_output)));
+  const ScalarType dt = dtype_of(grad_output);
+  MSDA_CHECK(dt == in.value_dtype, kOp, "grad_output must have the value's dtype (",
+             dtype_name(in.value_dtype), "), got ", dtype_name(dt));
 }
 
 Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,

@@ -43,10 +43,6 @@ Checked check_inputs(const Tensor& value, const Tensor& spatial_shapes,
                      const Tensor& attention_weights, std::string_view backend = "auto",
                      const IntListOpt& spatial_shapes_list = std::nullopt);
 
-// Checks grad_output (shape (N, Lq, M * D), value's dtype and device).
-void check_grad_output(const Tensor& grad_output, const Problem& pb,
-                       const Tensor& value);
-
 // Whether `value` (rank 4) is head-major: not contiguous as (N, S, M, D),
 // but the transpose(1, 2) view of a contiguous (N, M, S, D) tensor. Such a
 // value is read in place (Problem::value_head_major); any other layout is
@@ -72,6 +68,10 @@ Prepared prepare_inputs(const Tensor& value, const Tensor& spatial_shapes,
                         const Tensor& sampling_locations,
                         const Tensor& attention_weights, std::string_view backend = "auto",
                         const IntListOpt& spatial_shapes_list = std::nullopt);
+
+// Checks grad_output against the prepared inputs: shape (N, Lq, M * D),
+// value's dtype and device.
+void check_grad_output(const Tensor& grad_output, const Prepared& in);
 
 // Points a ForwardParams / BackwardParams at the prepared inputs.
 template <typename Params>

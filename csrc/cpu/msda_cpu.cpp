@@ -43,7 +43,7 @@ std::tuple<Tensor, Tensor, Tensor> backward_cpu(
   const Prepared in = prepare_inputs(value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights);
   const auto& pb = in.pb;
-  check_grad_output(grad_output, pb, value);
+  check_grad_output(grad_output, in);
   const Tensor gout = make_contiguous(grad_output);
   const auto acc_type = in.value_dtype == kDouble ? kDouble : kFloat;
   const Device dev = in.device;

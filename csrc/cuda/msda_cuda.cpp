@@ -48,7 +48,7 @@ Tensor aligned(Tensor t, int64_t align) {
 }
 
 // Locations are read as (x, y) pairs with one vector load: keep them aligned.
-Tensor aligned_pairs(Tensor t) { return aligned(t, 2 * t.element_size()); }
+Tensor aligned_pairs(Tensor t) { return aligned(t, 2 * dtype_size(dtype_of(t))); }
 
 // The launcher of each backend with a CUDA kernel.
 cudaError_t launch(const ForwardParams& p, cudaStream_t stream) {
@@ -107,8 +107,8 @@ Tensor forward_cuda(const Tensor& value, const Tensor& spatial_shapes,
                         const IntListOpt& spatial_shapes_list) {
   Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                attention_weights, backend, spatial_shapes_list);
-  const cuda::DeviceGuard guard(value.get_device_index());
-  require_kernel_image(value.get_device_index());
+  const cuda::DeviceGuard guard(in.device.index());
+  require_kernel_image(in.device.index());
   return launch_forward(in, plan_for(in, /*fused=*/false, backend));
 }
 
@@ -159,18 +159,18 @@ Tensor fused_forward_cuda(const Tensor& value, const Tensor& spatial_shapes,
   };
   FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
                                   sampling_offsets, attention_logits, backend, spatial_shapes_list);
-  const cuda::DeviceGuard guard(value.get_device_index());
+  const cuda::DeviceGuard guard(f.in.device.index());
   const ForwardPlan plan = plan_for(f.in, /*fused=*/true, backend);
   if (plan.composite) return composite();
-  require_kernel_image(value.get_device_index());
+  require_kernel_image(f.in.device.index());
   return launch_forward(f.in, plan, data_as<float>(f.ref), s.boxes ? 4 : 2);
 }
 
 // The backward's parameters for the prepared inputs: grad_output checked
 // against them (its contiguous copy kept in `gout`), locations aligned.
-BackwardParams backward_params(Prepared& in, const Tensor& grad_output, const Tensor& value,
+BackwardParams backward_params(Prepared& in, const Tensor& grad_output,
                                std::optional<Tensor>& gout) {
-  check_grad_output(grad_output, in.pb, value);
+  check_grad_output(grad_output, in);
   gout = make_contiguous(grad_output);
   in.loc = aligned_pairs(in.loc);
   BackwardParams p;
@@ -185,13 +185,13 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
     const Tensor& attention_weights, bool deterministic) {
   Prepared in = prepare_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                attention_weights);
-  const cuda::DeviceGuard guard(value.get_device_index());
-  require_kernel_image(value.get_device_index());
   const Device dev = in.device;
+  const cuda::DeviceGuard guard(dev.index());
+  require_kernel_image(dev.index());
   auto grad_loc = new_output(in.loc.sizes(), in.loc_dtype, dev);
   auto grad_attn = new_output(in.attn.sizes(), in.loc_dtype, dev);
   std::optional<Tensor> gout;
-  BackwardParams p = backward_params(in, grad_output, value, gout);
+  BackwardParams p = backward_params(in, grad_output, gout);
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
   p.plan = cuda::plan_for(p, /*fused=*/false, deterministic);
@@ -219,12 +219,12 @@ std::tuple<Tensor, Tensor, Tensor> fused_backward_cuda(
   FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
                                   sampling_offsets, attention_logits);
   Prepared& in = f.in;
-  const cuda::DeviceGuard guard(value.get_device_index());
-  require_kernel_image(value.get_device_index());
   const Device dev = in.device;
+  const cuda::DeviceGuard guard(dev.index());
+  require_kernel_image(dev.index());
   const auto& pb = in.pb;
   std::optional<Tensor> gout;
-  BackwardParams p = backward_params(in, grad_output, value, gout);
+  BackwardParams p = backward_params(in, grad_output, gout);
   p.plan = cuda::plan_for(p, /*fused=*/true, deterministic);
   if (p.plan.composite) return composite();
   const ScalarType grads = p.plan.dots != DotsKernel::ffma ? in.loc_dtype : kFloat;
@@ -250,21 +250,22 @@ Tensor column_sum_cuda(const Tensor& grad) {
   const ColumnSumSizes z = check_column_sum(grad);
   const Tensor g = make_contiguous(grad);
   const Device dev = g.device();
-  Tensor out = empty({z.cols}, dtype_of(g), dev);
+  const ScalarType dt = dtype_of(g);
+  Tensor out = empty({z.cols}, dt, dev);
   if (z.cols == 0) return out;
   const cuda::DeviceGuard guard(dev.index());
   require_kernel_image(dev.index());
   cuda::ColumnSumParams p;
-  p.dtype = to_dtype(dtype_of(g));
+  p.dtype = to_dtype(dt);
   p.grad = g.data_ptr();
   p.rows = z.rows;
   p.cols = z.cols;
-  const int64_t elem = g.element_size();
+  const int64_t elem = dtype_size(dt);
   p.vec = cuda::pick_vec(z.cols, elem, static_cast<int>(16 / elem), {p.grad});
   DeviceInfo info;
   MSDA_CUDA_CHECK(cuda::device_info(dev.index(), info));
   p.shape = cuda::column_sum_shape(z.rows, z.cols, p.vec, info.sms);
-  const auto acc = dtype_of(g) == kDouble ? kDouble : kFloat;
+  const auto acc = dt == kDouble ? kDouble : kFloat;
   Tensor partial = empty({p.shape.chunks, z.cols}, acc, dev);
   p.partial = partial.data_ptr();
   p.out = out.data_ptr();
