@@ -224,9 +224,11 @@ def library():
     sources = rel("csrc/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp")
     # LibTorch's stable ABI only (csrc/tensor.h), as of the oldest release it
     # serves: the library loads into that torch and every later one.
-    cxx = ["-O3", f"-DTORCH_TARGET_VERSION={STABLE_TARGET_HEX}"]
-    if os.environ.get("MSDA_DEBUG", "0") == "1":
-        cxx = ["-O0", "-g"]
+    # Hidden visibility, as torch's stable headers declare their types: the
+    # library exports what library_kernels.h marks MSDA_LIBRARY_API.
+    opt = ["-O0", "-g"] if os.environ.get("MSDA_DEBUG", "0") == "1" else ["-O3"]
+    cxx = opt + [f"-DTORCH_TARGET_VERSION={STABLE_TARGET_HEX}", "-fvisibility=hidden",
+                 "-fvisibility-inlines-hidden"]
     # LibTorch's libraries (libc10_cuda, ...) are found next to the torch
     # package beside this one (site-packages/torch/lib), or where the torch
     # it was built with lives: a C++ program's own run path does not reach
@@ -247,7 +249,7 @@ def library():
         # the stable ABI's CUDA stream query (cuda/host.h).
         cxx += ["-DMSDA_WITH_CUDA", "-DUSE_CUDA"]
         nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DMSDA_WITH_CUDA",
-                f"-DTORCH_TARGET_VERSION={STABLE_TARGET_HEX}"]
+                f"-DTORCH_TARGET_VERSION={STABLE_TARGET_HEX}", "-Xcompiler=-fvisibility=hidden"]
         if os.environ.get("MSDA_PTXAS_VERBOSE", "0") == "1":
             nvcc.append("-Xptxas=-v")
         sources += rel("csrc/cuda/**/*.cpp") + rel("csrc/cuda/**/*.cu")

@@ -17,6 +17,10 @@
 #include <cstdint>
 #include <string_view>
 
+// The library is built with hidden visibility (as torch's stable headers
+// declare their own types): these are the symbols it exports.
+#define MSDA_LIBRARY_API __attribute__((visibility("default")))
+
 namespace msda::library {
 
 enum class Kernel : int {
@@ -53,13 +57,16 @@ struct Call {
 };
 
 // Whether this build has kernel k (the CUDA ones need a CUDA build).
-bool has_kernel(Kernel k);
+MSDA_LIBRARY_API bool has_kernel(Kernel k);
 
 // Runs kernel k; raises what its registered kernel would (std::runtime_error).
-void run_kernel(Kernel k, Call& call);
+MSDA_LIBRARY_API void run_kernel(Kernel k, Call& call);
 
 }  // namespace msda::library
 
 // Registers every kernel through the stable ABI (boxed), for a process
 // without the layer; once, whatever the number of calls.
-extern "C" void ms_deform_attn_register_boxed_kernels(void);
+extern "C" MSDA_LIBRARY_API void ms_deform_attn_register_boxed_kernels(void);
+
+// The library's version (ms_deform_attn/version.h): _C.library_version.
+extern "C" MSDA_LIBRARY_API const char* ms_deform_attn_library_version(void);
