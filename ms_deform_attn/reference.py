@@ -31,6 +31,11 @@ def ms_deform_attn_pytorch(
     value = value.to(dtype)
     # grid_sample's grid lives in [-1, 1]; (N, Lq, M, L, P, 2) -> per level (N*M, Lq, P, 2).
     grid = (2 * sampling_locations.to(dtype) - 1).transpose(1, 2).flatten(0, 1)
+    # Past +-3 (grid units) a sample lies more than a pixel outside any map
+    # and adds zero: clamped there, huge finite coordinates stay out of
+    # grid_sample's index arithmetic (torch 2.15's CPU kernel reads a pixel
+    # for 2e30 in its vectorised loop). NaN and infinities pass unchanged.
+    grid = torch.where(torch.isfinite(grid), grid.clamp(-3, 3), grid)
     sampled = []
     for lvl, ((h, w), start) in enumerate(zip(shapes, starts)):
         # (N, H*W, M, D) -> (N*M, D, H, W)
