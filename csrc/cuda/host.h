@@ -4,9 +4,15 @@
 
 #include <cuda_runtime.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
-#include <torch/csrc/stable/accelerator.h>
 
 #include "../tensor.h"
+
+#define MSDA_CUDA_CHECK(expr)                                                          \
+  do {                                                                                 \
+    const cudaError_t msda_err_ = (expr);                                              \
+    MSDA_CHECK(msda_err_ == cudaSuccess, "ms_deform_attn: CUDA error: ",               \
+               cudaGetErrorString(msda_err_), " (", cudaGetErrorName(msda_err_), ")"); \
+  } while (0)
 
 namespace msda::cuda {
 
@@ -17,13 +23,28 @@ inline cudaStream_t current_stream(int32_t device) {
   return static_cast<cudaStream_t>(stream);
 }
 
-using DeviceGuard = torch::stable::accelerator::DeviceGuard;
+// Makes `device` the current CUDA device for the scope and restores the
+// previous one after, as c10's CUDAGuard does, through the CUDA runtime
+// (the stable ABI's DeviceGuard allocates a c10 guard on the heap on every
+// call, and this is on every call's path).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    int current = 0;
+    MSDA_CUDA_CHECK(cudaGetDevice(&current));
+    if (current != device) {
+      MSDA_CUDA_CHECK(cudaSetDevice(device));
+      previous_ = current;
+    }
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;  // the device to restore, if the guard changed it
+};
 
 }  // namespace msda::cuda
-
-#define MSDA_CUDA_CHECK(expr)                                                          \
-  do {                                                                                 \
-    const cudaError_t msda_err_ = (expr);                                              \
-    MSDA_CHECK(msda_err_ == cudaSuccess, "ms_deform_attn: CUDA error: ",               \
-               cudaGetErrorString(msda_err_), " (", cudaGetErrorName(msda_err_), ")"); \
-  } while (0)
