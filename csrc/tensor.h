@@ -111,9 +111,12 @@ Tensor empty(Sizes sizes, ScalarType dtype, const Device& device);
 inline Tensor empty(SizeList sizes, ScalarType dtype, const Device& device) {
   return empty(sizes_in(sizes), dtype, device);
 }
+// zeros and to go through the C shim's own zero_ and copy_ (unboxed calls),
+// not torch::stable's, which call the dispatcher by the operator's name
+// (boxed, a lookup each call): both are on the backward's path.
 inline Tensor zeros(Sizes sizes, ScalarType dtype, const Device& device) {
   Tensor t = empty(sizes, dtype, device);
-  torch::stable::zero_(t);
+  MSDA_SHIM_CHECK(aoti_torch_zero_(t.get()));
   return t;
 }
 inline Tensor zeros(SizeList sizes, ScalarType dtype, const Device& device) {
@@ -125,8 +128,18 @@ inline Tensor full(Sizes sizes, double value, ScalarType dtype, const Device& de
 inline Tensor full(SizeList sizes, double value, ScalarType dtype, const Device& device) {
   return full(sizes_in(sizes), value, dtype, device);
 }
+// t in `dtype`: t itself when it has it; a contiguous CPU or CUDA t copied
+// into a new contiguous tensor; anything else through torch's to() (which
+// keeps other layouts and serves other devices).
 inline Tensor to(const Tensor& t, ScalarType dtype) {
-  return dtype_of(t) == dtype ? t : torch::stable::to(t, dtype);
+  if (dtype_of(t) == dtype) return t;
+  const Device device = t.device();
+  if (!(device.is_cpu() || device.is_cuda()) || !t.is_contiguous()) {
+    return torch::stable::to(t, dtype);
+  }
+  Tensor out = empty(t.sizes(), dtype, device);
+  MSDA_SHIM_CHECK(aoti_torch_copy_(out.get(), t.get(), /*non_blocking=*/0));
+  return out;
 }
 // t itself when contiguous (no dispatcher call), else a contiguous copy;
 // contiguous_as where t's contiguity is known already.
