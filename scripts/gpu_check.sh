@@ -145,12 +145,17 @@ for stage in $STAGES; do
         i=$((i + 1))
       done ;;
     wheel)
-      # The wheel in dist/ (built on the development machine for this torch
-      # with FORCE_CUDA, carried here): installed into a fresh target folder
-      # (nothing is built here) and the suite run against it from outside the
-      # checkout (MSDA_EXPECT_INSTALLED=1 makes conftest check which one runs).
-      whl=$(ls dist/torch_msda-*.whl 2>/dev/null | head -1)
-      if [ -z "$whl" ]; then echo "WHEEL STAGE: no wheel in dist/"; status=1; continue; fi
+      # The wheel in dist/ (one carried here, or, when there is none, built
+      # here for TORCH_CUDA_ARCH_LIST against this machine's torch): installed
+      # into a fresh target folder and the suite run against it from outside
+      # the checkout (MSDA_EXPECT_INSTALLED=1 makes conftest check which one runs).
+      if ! ls dist/torch_msda-*.whl > /dev/null 2>&1; then
+        if ! FORCE_CUDA=1 $PY -m pip wheel -q --no-build-isolation --no-deps --no-index -w dist . \
+            > "$OUT/wheel_build.log" 2>&1; then
+          tail -30 "$OUT/wheel_build.log"; echo "WHEEL BUILD FAILED"; status=1; continue
+        fi
+      fi
+      whl=$(ls dist/torch_msda-*.whl | head -1); echo "$whl"
       rm -rf /tmp/msda-site /tmp/msda-tests && mkdir -p /tmp/msda-tests
       if ! $PY -m pip install -q --no-deps --no-index --target /tmp/msda-site "$whl" > "$OUT/wheel_install.log" 2>&1; then
         cat "$OUT/wheel_install.log"; echo "WHEEL INSTALL FAILED"; status=1; continue
