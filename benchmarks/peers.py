@@ -2,11 +2,14 @@
 
 Each entry: a factory that imports the peer and returns a callable with our
 operator's arguments (value, spatial_shapes, level_start_index, locations,
-weights), whether its calls can be captured in a CUDA graph (then it is
-timed like ours: graph replays), and which value dtypes it takes.
-benchmarks.run asks for every name here; a peer that fails to import is
-skipped with a note in the results. docs/development.md says how to install
-each on the GPU machine (no network there: carry them).
+weights), the dtypes it takes its locations and weights in (benchmarks.run
+converts the inputs once, before timing, so that no cast is timed), and
+which value dtypes it runs. Every peer is timed like ours, as CUDA-graph
+replays; one whose calls fail to capture is timed between CUDA events, and
+the row says so (its `method`). benchmarks.run asks for every name here; a
+peer that fails to import is skipped with a note in the results.
+docs/development.md says how to install each on the GPU machine (no network
+there: carry them).
 
   triton            roulbac/msda-triton (two Python files; `msda_triton` on the path)
   original          Deformable DETR's models/ops (`MultiScaleDeformableAttention`), fp32 only
@@ -21,11 +24,29 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet
 
 
+# What a peer takes its sampling locations and attention weights in: "fp32",
+# or "value" (value's dtype).
+AS_GIVEN, AS_VALUE = "fp32", "value"
+
+
 @dataclass(frozen=True)
 class Peer:
     make: Callable[[], Callable]
-    graph: bool = False  # launches capture in a CUDA graph: timed as replays, like ours
     dtypes: FrozenSet[str] = field(default_factory=lambda: frozenset({"fp32", "bf16", "fp16"}))
+    locations: str = AS_GIVEN
+    weights: str = AS_GIVEN
+
+    def prepare(self, inputs):
+        """The inputs in the dtypes this peer takes (value, shapes, start,
+        locations, weights), new leaves where a cast was needed, so that
+        gradients are taken with respect to what the peer was given."""
+        value, shapes, start, loc, attn = inputs
+
+        def cast(t, how):
+            if how == AS_GIVEN or t.dtype == value.dtype:
+                return t
+            return t.detach().to(value.dtype).requires_grad_(t.requires_grad)
+        return [value, shapes, start, cast(loc, self.locations), cast(attn, self.weights)]
 
 
 def _mmcv():
@@ -57,13 +78,8 @@ def _original():
 
 
 def _triton():
-    # It takes locations and weights in value's dtype, so 16-bit runs
-    # include their cast (a small kernel).
-    from msda_triton import multi_scale_deformable_attention as triton_msda
-
-    def fn(value, shapes, start, loc, attn):
-        return triton_msda(value, shapes, start, loc.to(value.dtype), attn.to(value.dtype))
-    return fn
+    from msda_triton import multi_scale_deformable_attention
+    return multi_scale_deformable_attention
 
 
 def _deformops(backend: str):
@@ -71,20 +87,22 @@ def _deformops(backend: str):
         from deformops.registry import Backend, msda
 
         chosen = None if backend == "auto" else getattr(Backend, backend)
+        if chosen is not None and hasattr(msda, "load"):
+            msda.load(chosen)  # compile or load its kernel library now, not in the first call
 
-        # Its weights must have value's dtype (16-bit runs include the cast);
-        # locations may stay fp32.
         def fn(value, shapes, start, loc, attn):
-            return msda(value, shapes, start, loc, attn.to(value.dtype), backend=chosen)
+            return msda(value, shapes, start, loc, attn, backend=chosen)
         return fn
     return make
 
 
 PEERS: Dict[str, Peer] = {
-    "triton": Peer(_triton, graph=True),
+    # Locations and weights in value's dtype (16-bit locations: its errors).
+    "triton": Peer(_triton, locations=AS_VALUE, weights=AS_VALUE),
     "original": Peer(_original, dtypes=frozenset({"fp32"})),
     "mmcv": Peer(_mmcv),
-    "deformops": Peer(_deformops("auto")),
-    "deformops-triton": Peer(_deformops("TRITON")),
-    "deformops-cuda": Peer(_deformops("CUDA")),
+    # Weights in value's dtype; locations may stay fp32.
+    "deformops": Peer(_deformops("auto"), weights=AS_VALUE),
+    "deformops-triton": Peer(_deformops("TRITON"), weights=AS_VALUE),
+    "deformops-cuda": Peer(_deformops("CUDA"), weights=AS_VALUE),
 }

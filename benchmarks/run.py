@@ -228,32 +228,37 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
     # passes them (value_spatial_shapes_list); the tma backend needs them.
     choice = msda.select_backend(*[t.detach() for t in base], spatial_shapes_list=wl.levels)
     for name, fn in impls.items():
-        if name in PEERS and dname not in PEERS[name].dtypes:
+        peer = PEERS.get(name)
+        if peer is not None and dname not in peer.dtypes:
             continue
         if getattr(fn, "takes_host_shapes", False):
             fn = functools.partial(fn, spatial_shapes_list=wl.levels)
+        # A peer's inputs in the dtypes it takes, converted here, not in the
+        # timed step.
+        isets = [peer.prepare(s) for s in sets] if peer is not None else sets
         for pas in passes:
             row = dict(workload=wl.name, dtype=dname, impl=name, kind=kind_of(name), pass_=pas,
                        auto_choice=choice, sets=n_sets)
             try:
                 if pas == "fwd":
                     with torch.no_grad():
-                        out = fn(*[t.detach() for t in base])
+                        out = fn(*[t.detach() for t in isets[0]])
                     row["rel_err"] = rel_err(out, ref_out)
                     del out
 
                     def step(i, fn=fn):
                         with torch.no_grad():
-                            return fn(*sets[i])
+                            return fn(*isets[i])
                 else:
-                    out = fn(*base)
-                    grads = torch.autograd.grad(out, (value, loc, attn), grad_out)
+                    s0 = isets[0]
+                    out = fn(*s0)
+                    grads = torch.autograd.grad(out, (s0[0], s0[3], s0[4]), grad_out)
                     row["rel_err"] = max(rel_err(g, r) for g, r in zip(grads, ref_grads))
                     row["rel_err_by_input"] = [rel_err(g, r) for g, r in zip(grads, ref_grads)]
                     del out, grads
 
                     def step(i, fn=fn):
-                        s = sets[i]
+                        s = isets[i]
                         o = fn(*s)
                         return torch.autograd.grad(o, (s[0], s[3], s[4]), grad_out)
 
@@ -266,9 +271,20 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
                     timing = Timing(m.median * 1e6, m.iqr * 1e6, "torch.utils.benchmark",
                                     m.number_per_run * len(m.times))
                 elif device == "cuda":
-                    graph = (name in our_backends("cuda") or name == DETERMINISTIC
-                             or (name in PEERS and PEERS[name].graph))
-                    timing = time_cuda(step, n_sets, use_graph=graph, target_ms=args.target_ms)
+                    # Everything but the reference (it reads shapes on the
+                    # host) as graph replays; a peer whose calls do not
+                    # capture between CUDA events.
+                    graph = name != "reference"
+                    try:
+                        timing = time_cuda(step, n_sets, use_graph=graph, target_ms=args.target_ms)
+                    except Exception as exc:
+                        if peer is None:
+                            raise
+                        notes.append(f"{name} {wl.name} {dname} {pas}: its calls do not capture "
+                                     f"in a CUDA graph ({type(exc).__name__}: {exc}); timed "
+                                     f"between CUDA events")
+                        torch.cuda.synchronize()
+                        timing = time_cuda(step, n_sets, use_graph=False, target_ms=args.target_ms)
                 else:
                     timing = time_cpu(step, n_sets, target_s=args.target_ms / 1e3)
             except Exception as exc:
@@ -281,13 +297,30 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
                        floor_bytes=fb, floor_us=floor_us, GBps=fb / (t * 1e-6) / 1e9,
                        x_floor=t / floor_us)
             rows.append(row)
-    # Backward time derived as (fwd + bwd) - fwd of the same implementation.
+    # Backward time derived as (fwd + bwd) - fwd of the same implementation;
+    # not derived where the difference is within the two measurements'
+    # spreads (a busy machine), said in a note.
     by_key = {(r["impl"], r["pass_"]): r for r in rows}
     for r in rows:
         f = by_key.get((r["impl"], "fwd"))
         if r["pass_"] == "fwdbwd" and f is not None:
-            r["bwd_us"] = r["time_us"] - f["time_us"]
+            bwd = backward_us(r, f)
+            if bwd is None:
+                notes.append(f"{r['impl']} {wl.name} {dname}: no backward time derived: forward + "
+                             f"backward {r['time_us']:.1f} us (spread {r['spread_us']:.1f}) "
+                             f"against the forward's {f['time_us']:.1f} (spread "
+                             f"{f['spread_us']:.1f}); time again on an idle machine")
+            else:
+                r["bwd_us"] = bwd
     return rows
+
+
+def backward_us(fwdbwd: Dict, fwd: Dict):
+    """(forward + backward) - forward, or None where that difference is not
+    above the two measurements' spreads (it came out negative on a busy
+    machine)."""
+    bwd = fwdbwd["time_us"] - fwd["time_us"]
+    return bwd if bwd > fwdbwd.get("spread_us", 0) + fwd.get("spread_us", 0) else None
 
 
 def fmt_table(result: Dict) -> str:

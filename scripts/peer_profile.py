@@ -2,8 +2,8 @@
 when importable) on one workload, inside a cudaProfilerStart/Stop range after
 warm-up (the peer autotunes then), for `ncu --profile-from-start off` side by
 side (the `peer` stage of gpu_check.sh). The peer is called as the benchmark
-calls it (benchmarks.peers.PEERS: its 16-bit locations and weights cast per
-call; the stage's kernel filter leaves the casts out).
+calls it (benchmarks.peers.PEERS: its inputs converted to the dtypes it takes
+once, before the profiled range).
 
     python scripts/peer_profile.py [workload] [dtype] [backend]
 """
@@ -28,7 +28,8 @@ runs = {backend: lambda: msda.ms_deform_attn(*inputs, backend=backend,
                                               spatial_shapes_list=wl.levels)}
 try:
     peer = PEERS["triton"].make()
-    runs["triton"] = lambda: peer(*inputs)
+    peer_inputs = PEERS["triton"].prepare(inputs)
+    runs["triton"] = lambda: peer(*peer_inputs)
 except ImportError as exc:
     print("peer skipped:", exc)
 value, shapes, start, loc, attn = inputs

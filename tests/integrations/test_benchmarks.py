@@ -232,3 +232,41 @@ def test_busy_machine_is_reported(tmp_path, monkeypatch):
     result = json.loads((tmp_path / "bench.json").read_text())
     assert all(r["spread_us"] >= 0 for r in result["rows"])
     assert any(n.startswith("the machine was busy") for n in result["notes"])
+
+
+def test_peers_get_their_dtypes_before_timing(tmp_path, monkeypatch):
+    # A peer that takes locations and weights in value's dtype is handed
+    # them converted (new leaves, outside the timed step), never casts itself.
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks import peers, run, timing
+    from ms_deform_attn.reference import ms_deform_attn_pytorch
+
+    seen = []
+
+    def make():
+        def fn(value, shapes, start, loc, attn):
+            seen.append((loc.dtype, attn.dtype, value.dtype))
+            return ms_deform_attn_pytorch(value, shapes, start, loc, attn)
+        return fn
+
+    fake = {"fake": peers.Peer(make, locations=peers.AS_VALUE, weights=peers.AS_VALUE)}
+    for mod in (peers, run, timing):
+        monkeypatch.setattr(mod, "PEERS", fake)
+    rc = run.main(["--workloads", "ddetr_dec/8", "--dtypes", "bf16", "--device", "cpu",
+                   "--scale", "1", "--target-ms", "1", "--backends", "fake", "--no-plot",
+                   "--out", str(tmp_path)])
+    assert rc == 0 and seen
+    assert set(seen) == {(torch.bfloat16, torch.bfloat16, torch.bfloat16)}
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {r["pass_"] for r in rows} == {"fwd", "fwdbwd"}
+
+
+def test_a_backward_is_derived_only_above_the_spreads():
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks.run import backward_us
+
+    fwd = {"time_us": 100.0, "spread_us": 2.0}
+    assert backward_us({"time_us": 300.0, "spread_us": 3.0}, fwd) == 200.0
+    # A busy machine: the forward + backward read faster than the forward.
+    assert backward_us({"time_us": 90.0, "spread_us": 3.0}, fwd) is None
+    assert backward_us({"time_us": 104.0, "spread_us": 3.0}, fwd) is None
