@@ -98,8 +98,9 @@ FusedSizes check_fused_inputs(const Tensor& value, const Tensor& spatial_shapes,
   for (const auto& [t, name] : {std::pair{&reference_points, "reference_points"},
                                 {&sampling_offsets, "sampling_offsets"},
                                 {&attention_logits, "attention_logits"}}) {
-    MSDA_CHECK(t->device() == value.device(), kFusedOp, name, " must be on value's device ",
-               device_name(value.device()), ", got ", device_name(t->device()));
+    MSDA_CHECK(t->device() == value.device(), kFusedOp, name,
+               " must be on the same device as value (", device_name(value.device()), "), got ",
+               device_name(t->device()));
   }
   return s;
 }

@@ -338,10 +338,30 @@ def select_backward_path(value, spatial_shapes, level_start_index, sampling_loca
 
 
 # ---- fake (meta) kernels -----------------------------------------------------
+def _same_device(op: str, anchor: str, tensors) -> None:
+    """Every tensor on the device of the first (`anchor`), as the kernels'
+    validation requires. The dispatcher runs these fake kernels whenever one
+    input is on the meta device, also beside real tensors: without this a
+    CPU value with meta locations would return uninitialised memory."""
+    device = tensors[0][1].device
+    for name, t in tensors[1:]:
+        if t is not None and t.device != device:
+            raise RuntimeError(f"{op}: {name} must be on the same device as {anchor} ({device}), "
+                               f"got {t.device}")
+
+
+def _same_device_as_value(op, value, spatial_shapes, level_start_index, *named):
+    _same_device(op, "value", [("value", value), ("spatial_shapes", spatial_shapes),
+                               ("level_start_index", level_start_index), *named])
+
+
 @torch.library.register_fake("ms_deform_attn::ms_deform_attn")
 def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
                   attention_weights, backend="auto", deterministic=None,
                   spatial_shapes_list=None):
+    _same_device_as_value("ms_deform_attn", value, spatial_shapes, level_start_index,
+                          ("sampling_locations", sampling_locations),
+                          ("attention_weights", attention_weights))
     torch._check(value.dim() == 4, lambda: "ms_deform_attn: value must have 4 dimensions")
     torch._check(sampling_locations.dim() == 6,
                  lambda: "ms_deform_attn: sampling_locations must have 6 dimensions")
@@ -361,6 +381,9 @@ def _grad_value_fake(value):
 @torch.library.register_fake("ms_deform_attn::_ms_deform_attn_backward")
 def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
                    attention_weights, deterministic=False):
+    _same_device_as_value("ms_deform_attn", value, spatial_shapes, level_start_index,
+                          ("sampling_locations", sampling_locations),
+                          ("attention_weights", attention_weights), ("grad_output", grad_output))
     return (
         _grad_value_fake(value),
         torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
@@ -371,6 +394,10 @@ def _backward_fake(grad_output, value, spatial_shapes, level_start_index, sampli
 @torch.library.register_fake("ms_deform_attn::_ms_deform_attn_fused_backward")
 def _fused_backward_fake(grad_output, value, spatial_shapes, level_start_index, reference_points,
                          sampling_offsets, attention_logits, deterministic=False):
+    _same_device_as_value("ms_deform_attn_fused", value, spatial_shapes, level_start_index,
+                          ("reference_points", reference_points),
+                          ("sampling_offsets", sampling_offsets),
+                          ("attention_logits", attention_logits), ("grad_output", grad_output))
     return (
         _grad_value_fake(value),
         torch.empty_like(sampling_offsets, memory_format=torch.contiguous_format),
@@ -391,6 +418,10 @@ def _fused_backward_ref_fake(grad_output, value, spatial_shapes, level_start_ind
 @torch.library.register_fake("ms_deform_attn::ms_deform_attn_fused")
 def _fused_fake(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
                 attention_logits, backend="auto", deterministic=None, spatial_shapes_list=None):
+    _same_device_as_value("ms_deform_attn_fused", value, spatial_shapes, level_start_index,
+                          ("reference_points", reference_points),
+                          ("sampling_offsets", sampling_offsets),
+                          ("attention_logits", attention_logits))
     torch._check(value.dim() == 4, lambda: "ms_deform_attn_fused: value must have 4 dimensions")
     torch._check(reference_points.dim() == 4,
                  lambda: "ms_deform_attn_fused: reference_points must have 4 dimensions")
@@ -400,6 +431,8 @@ def _fused_fake(value, spatial_shapes, level_start_index, reference_points, samp
 
 @torch.library.register_fake("ms_deform_attn::_linear")
 def _linear_fake(input, weight, bias=None):
+    _same_device("ms_deform_attn._linear", "input",
+                 [("input", input), ("weight", weight), ("bias", bias)])
     return input.new_empty((*input.shape[:-1], weight.shape[0]))
 
 

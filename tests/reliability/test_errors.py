@@ -250,6 +250,62 @@ def test_mixed_devices():
     assert torch.cuda.is_available() and (torch.ones(3, device="cuda") + 1).sum().item() == 6
 
 
+NAMES = ["value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights"]
+
+
+@pytest.mark.parametrize("i", range(5), ids=NAMES)
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "with_grad"])
+def test_a_meta_tensor_among_real_ones(i, grad):
+    """One input on the meta device beside CPU ones: the dispatcher then runs
+    the fake kernel, which must refuse as the kernels do (it returned
+    uninitialised memory)."""
+    args = good("cpu")
+    if grad:
+        args = [t.detach().requires_grad_() if t.is_floating_point() else t for t in args]
+    args = replace(args, i, args[i].detach().to("meta"))
+    other = "spatial_shapes" if i == 0 else NAMES[i]
+    with pytest.raises(RuntimeError, match=other + r" must be on the same device as value"):
+        msda.ms_deform_attn(*args)
+
+
+@pytest.mark.parametrize("i", range(6), ids=["grad_output"] + NAMES)
+def test_backward_with_a_meta_tensor_among_real_ones(i):
+    value, shapes, start, loc, attn = good("cpu")
+    args = [msda.ms_deform_attn(value, shapes, start, loc, attn), value, shapes, start, loc, attn]
+    args = replace(args, i, args[i].to("meta"))
+    bwd = torch.ops.ms_deform_attn._ms_deform_attn_backward
+    with pytest.raises(RuntimeError, match=r"must be on the same device as value"):
+        bwd(*args)
+
+
+@pytest.mark.parametrize("i", [1, 2, 3, 4, 5], ids=["spatial_shapes", "level_start_index",
+                                                     "reference_points", "sampling_offsets",
+                                                     "attention_logits"])
+def test_fused_with_a_meta_tensor_among_real_ones(i):
+    value, shapes, start, _, _ = good("cpu")
+    n, lq, m, L, P = 2, 5, 4, 2, 3
+    args = [value, shapes, start, torch.rand(n, lq, L, 2), torch.randn(n, lq, m, L, P, 2),
+            torch.randn(n, lq, m, L * P)]
+    args = replace(args, i, args[i].to("meta"))
+    with pytest.raises(RuntimeError, match=r"must be on the same device as value"):
+        msda.ms_deform_attn_fused(*args)
+    bwd = torch.ops.ms_deform_attn._ms_deform_attn_fused_backward
+    grad = torch.zeros(n, lq, m * 8)
+    with pytest.raises(RuntimeError, match=r"must be on the same device as value"):
+        bwd(grad, *args)
+
+
+def test_every_input_on_meta_is_traced():
+    """All inputs on the meta device (shape inference) still run the fake
+    kernels, forward and backward."""
+    args = [t.to("meta") for t in good("cpu")]
+    args = [t.requires_grad_() if t.is_floating_point() else t for t in args]
+    out = msda.ms_deform_attn(*args)
+    assert out.device.type == "meta" and out.shape == (2, 5, 32)
+    grads = torch.autograd.grad(out, (args[0], args[3], args[4]), torch.zeros_like(out))
+    assert [g.shape for g in grads] == [args[0].shape, args[3].shape, args[4].shape]
+
+
 @pytest.mark.skipif(msda.cuda_kernels_built(), reason="this build has the CUDA kernels")
 def test_cpu_only_build_names_the_missing_cuda_kernels():
     """A build without the CUDA kernels answers CUDA tensors (here: the CUDA
