@@ -226,9 +226,12 @@ def library():
     # serves: the library loads into that torch and every later one.
     # Hidden visibility, as torch's stable headers declare their types: the
     # library exports what library_kernels.h marks MSDA_LIBRARY_API.
+    # No FMA contraction on the host (GCC's default contracts where the target
+    # has FMA, as aarch64 does): pixel coordinates are rounded as PyTorch
+    # rounds them (csrc/sampling.h, pixel_coord).
     opt = ["-O0", "-g"] if os.environ.get("MSDA_DEBUG", "0") == "1" else ["-O3"]
     cxx = opt + [f"-DTORCH_TARGET_VERSION={STABLE_TARGET_HEX}", "-fvisibility=hidden",
-                 "-fvisibility-inlines-hidden"]
+                 "-fvisibility-inlines-hidden", "-ffp-contract=off"]
     # LibTorch's libraries (libc10_cuda, ...) are found next to the torch
     # package beside this one (site-packages/torch/lib), or where the torch
     # it was built with lives: a C++ program's own run path does not reach

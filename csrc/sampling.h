@@ -75,6 +75,26 @@ struct Bilinear {
 MSDA_HD float floor_acc(float x) { return floorf(x); }
 MSDA_HD double floor_acc(double x) { return ::floor(x); }
 
+// The pixel coordinate loc * size - 0.5, rounded after the product and after
+// the difference on every device: nvcc would otherwise contract it into one
+// FMA, whose single rounding picks the other cell where the host's (and
+// PyTorch's, the `pytorch` backend's and the portable ONNX graph's) picks
+// this one, at pixel-centre ties, and so another location gradient.
+MSDA_HD float pixel_coord(float loc, int size) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(__fmul_rn(loc, float(size)), -0.5f);
+#else
+  return loc * float(size) - 0.5f;
+#endif
+}
+MSDA_HD double pixel_coord(double loc, int size) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(__dmul_rn(loc, double(size)), -0.5);
+#else
+  return loc * double(size) - 0.5;
+#endif
+}
+
 // Whether v is neither NaN nor infinite (v - v is NaN for both).
 template <typename A>
 MSDA_HD bool finite(A v) { return v - v == A(0); }
@@ -92,8 +112,8 @@ MSDA_HD Bilinear<A> make_bilinear(A loc_x, A loc_y, A weight, int H, int W) {
     b.lh = b.lw = A(NAN);
     return b;
   }
-  const A h = loc_y * A(H) - A(0.5);
-  const A w = loc_x * A(W) - A(0.5);
+  const A h = pixel_coord(loc_y, H);
+  const A w = pixel_coord(loc_x, W);
   // At exactly h = -1 (or w = -1) the footprint touches the map with zero weight:
   // kept "inside" so that the location gradient is grid_sample's (the
   // derivative in the cell to the lower right).

@@ -64,8 +64,8 @@ torch_layer = _layer.load()
 
 _lib = torch.ops.ms_deform_attn
 
-# The grid_sample reference, accepted as a backend by the Python entry points
-# and the layers (not by the C++ operator): slow, every device, float64 too.
+# The operator in plain PyTorch ops (reference.ms_deform_attn_plain), accepted
+# as a backend by the Python entry points and the layers (not by the C++ operator): slow, every device, float64 too.
 REFERENCE_BACKEND = "pytorch"
 
 
@@ -131,7 +131,8 @@ def ms_deform_attn(
             dtype or float32. Locations outside [0, 1] are legal.
         attention_weights: (N, Lq, M, L, P), in value's dtype or float32.
         backend: "auto" or a name from available_backends(value.device);
-            "pytorch" runs the grid_sample reference (slow). The environment
+            "pytorch" runs the operator in plain PyTorch ops (slow; the
+            kernels' coordinate arithmetic). The environment
             variable MS_DEFORM_ATTN_BACKEND overrides "auto".
         deterministic: whether the backward must give bitwise identical
             gradients on every run (grad_value by sort and gather instead of
@@ -151,9 +152,9 @@ def ms_deform_attn(
         (N, Lq, M * D) in value's dtype.
     """
     if backend == REFERENCE_BACKEND:
-        from .reference import ms_deform_attn_pytorch
-        return ms_deform_attn_pytorch(value, spatial_shapes, level_start_index, sampling_locations,
-                                      attention_weights)
+        from .reference import ms_deform_attn_plain
+        return ms_deform_attn_plain(value, spatial_shapes, level_start_index, sampling_locations,
+                                    attention_weights)
     if type(value) is not torch.Tensor:
         _sharding_rules_if_distributed()
     return _lib.ms_deform_attn(
@@ -196,10 +197,10 @@ def ms_deform_attn_fused(
         dtype.
     """
     if backend == REFERENCE_BACKEND:
-        from .reference import fused_locations_and_weights, ms_deform_attn_pytorch
+        from .reference import fused_locations_and_weights, ms_deform_attn_plain
         loc, weights = fused_locations_and_weights(spatial_shapes, reference_points,
                                                    sampling_offsets, attention_logits)
-        return ms_deform_attn_pytorch(value, spatial_shapes, level_start_index, loc, weights)
+        return ms_deform_attn_plain(value, spatial_shapes, level_start_index, loc, weights)
     if type(value) is not torch.Tensor:
         _sharding_rules_if_distributed()
     return _lib.ms_deform_attn_fused(
@@ -239,7 +240,7 @@ def _flat_shapes(shapes: Optional[Sequence]) -> Optional[List[int]]:
 def available_backends(device: Optional[Union[str, torch.device]] = None) -> List[str]:
     """Backends that can run on `device` (default: the current CUDA device if
     there is one, else the CPU), in the order "auto" prefers them, then
-    "pytorch" (the grid_sample reference, never picked by "auto"). A backend
+    "pytorch" (plain PyTorch ops, never picked by "auto"). A backend
     listed here may still refuse particular inputs (its predicate says why).
     Without a visible CUDA device (or without the CUDA kernels in this build)
     "cuda" has none."""

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._ops import ms_deform_attn, ms_deform_attn_fused
-from .reference import ms_deform_attn_pytorch
 
 __all__ = ["MSDeformAttn"]
 
@@ -230,7 +229,7 @@ class MSDeformAttn(nn.Module):
         n_heads: attention heads (d_model must be divisible by it).
         n_points: sampling points per head and level.
         backend: operator backend ("auto", a name from available_backends(),
-            or "pytorch" for the grid_sample reference).
+            or "pytorch" for the operator in plain PyTorch ops).
         fused: True (default) forms the sampling locations and the softmax
             inside the operator (ms_deform_attn_fused), which then keeps the
             offsets and logits for the backward instead of float32 locations
@@ -337,20 +336,24 @@ class MSDeformAttn(nn.Module):
                                               spatial_shapes_list=input_spatial_shapes_list)
             return _linear(self.output_proj, output)
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
-        if reference_points.shape[-1] == 2:
-            # Offsets are in pixels of each level: divide by (W, H).
-            normalizer = torch.stack([input_spatial_shapes[..., 1], input_spatial_shapes[..., 0]], -1)
-            locations = (reference_points[:, :, None, :, None, :]
-                         + offsets / normalizer[None, None, None, :, None, :])
-        else:
-            # Offsets are in units of half the box size, over n_points.
-            locations = (reference_points[:, :, None, :, None, :2]
-                         + offsets / self.n_points * reference_points[:, :, None, :, None, 2:] * 0.5)
-        if self.backend == "pytorch":
-            output = ms_deform_attn_pytorch(value, input_spatial_shapes, input_level_start_index,
-                                            locations, weights)
-        else:
-            output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
-                                    locations, weights, backend=self.backend,
-                                    spatial_shapes_list=input_spatial_shapes_list)
+        locations = sampling_locations(reference_points, offsets, input_spatial_shapes)
+        output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
+                                locations, weights, backend=self.backend,
+                                spatial_shapes_list=input_spatial_shapes_list)
         return _linear(self.output_proj, output)
+
+
+def sampling_locations(reference_points: torch.Tensor, offsets: torch.Tensor,
+                       spatial_shapes: torch.Tensor) -> torch.Tensor:
+    """Deformable DETR's sampling locations (N, Lq, M, L, P, 2) from
+    reference points (N, Lq, L, 2), offsets in pixels of each level: ref +
+    offset / (W, H); or from boxes (N, Lq, L, 4), offsets in units of half
+    the box over P: (cx, cy) + offset / P * (w, h) * 0.5. In PyTorch ops,
+    as the layer of transformers forms them."""
+    if reference_points.shape[-1] == 2:
+        normalizer = torch.stack([spatial_shapes[..., 1], spatial_shapes[..., 0]], -1)
+        return (reference_points[:, :, None, :, None, :]
+                + offsets / normalizer[None, None, None, :, None, :])
+    n_points = offsets.shape[4]
+    return (reference_points[:, :, None, :, None, :2]
+            + offsets / n_points * reference_points[:, :, None, :, None, 2:] * 0.5)

@@ -58,6 +58,7 @@ def ms_deform_attn_gather(
     level_start_index: torch.Tensor,
     sampling_locations: torch.Tensor,
     attention_weights: torch.Tensor,
+    corners_outside_read_nothing: bool = False,
 ) -> torch.Tensor:
     """The same operator written with one gather, elementwise ops and one
     batched matrix product (no grid_sample, no host reads of the level
@@ -67,7 +68,11 @@ def ms_deform_attn_gather(
     (float64 for float64 values), corners outside the map add zero, a sample
     with a non-finite location or weight makes its (query, head) row NaN, as
     the operator does. Shape-polymorphic: batch, queries and level sizes may
-    change from call to call of one exported graph."""
+    change from call to call of one exported graph. A corner outside the
+    map is read (a clamped row) and weighted by zero, so that a non-finite
+    value there still reaches the sum; `corners_outside_read_nothing` zeroes
+    those rows first, as the kernels never add them (one more elementwise
+    pass)."""
     n, s, m, d = value.shape
     _, lq, _, n_levels, n_points, _ = sampling_locations.shape
     acc = torch.float64 if value.dtype == torch.float64 else torch.float32
@@ -86,13 +91,14 @@ def ms_deform_attn_gather(
     fx, fy = x - x0, y - y0
     x1, y1 = x0 + 1, y0 + 1
 
-    def inside(c, size):  # 1 where corner coordinate c lies in [0, size - 1], else 0
-        return ((c >= 0) & (c <= size - 1)).to(acc)
+    def inside(c, size):  # where corner coordinate c lies in [0, size - 1]
+        return (c >= 0) & (c <= size - 1)
 
     # Corner weights, zero outside the map: corners (x0, y0), (x1, y0),
     # (x0, y1), (x1, y1).
-    ax0, ax1 = (1 - fx) * inside(x0, w), fx * inside(x1, w)
-    ay0, ay1 = (1 - fy) * inside(y0, h) * a, fy * inside(y1, h) * a
+    in_x0, in_x1, in_y0, in_y1 = inside(x0, w), inside(x1, w), inside(y0, h), inside(y1, h)
+    ax0, ax1 = (1 - fx) * in_x0.to(acc), fx * in_x1.to(acc)
+    ay0, ay1 = (1 - fy) * in_y0.to(acc) * a, fy * in_y1.to(acc) * a
     scale = torch.stack([ax0 * ay0, ax1 * ay0, ax0 * ay1, ax1 * ay1], dim=4)  # (N, Lq, M, L, 4, P)
 
     def as_index(c):  # scalar bounds: past any level's side, small enough for int64 sums
@@ -113,10 +119,32 @@ def ms_deform_attn_gather(
     k = 4 * n_levels * n_points
     rows = value.transpose(1, 2).reshape(n * m * s, d)
     corners = rows.index_select(0, index.reshape(-1)).to(acc).view(n * lq * m, k, d)
+    if corners_outside_read_nothing:
+        read = torch.stack([in_x0 & in_y0, in_x1 & in_y0, in_x0 & in_y1, in_x1 & in_y1], dim=4)
+        read = read.reshape(n * lq * m, k, 1)
+        corners = torch.where(read, corners, torch.zeros((), dtype=acc, device=value.device))
     out = torch.bmm(scale.reshape(n * lq * m, 1, k), corners).view(n, lq, m, d)
     bad_row = (~finite).flatten(3).any(-1, keepdim=True)  # (N, Lq, M, 1)
     out = torch.where(bad_row, torch.full_like(out, float("nan")), out)
     return out.reshape(n, lq, m * d).to(value.dtype)
+
+
+def ms_deform_attn_plain(
+    value: torch.Tensor,
+    spatial_shapes: torch.Tensor,
+    level_start_index: torch.Tensor,
+    sampling_locations: torch.Tensor,
+    attention_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The `pytorch` backend: ms_deform_attn_gather on value in float32
+    (float64 stays float64), so that its gradient accumulates there, the
+    result in value's dtype. It does the kernels' coordinate arithmetic, so
+    that a location on a pixel-centre tie takes the cell (and the location
+    gradient) the kernels take; grid_sample's differs there."""
+    acc = torch.float64 if value.dtype == torch.float64 else torch.float32
+    return ms_deform_attn_gather(value.to(acc), spatial_shapes, level_start_index,
+                                 sampling_locations, attention_weights,
+                                 corners_outside_read_nothing=True).to(value.dtype)
 
 
 def fused_locations_and_weights(

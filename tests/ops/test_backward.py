@@ -78,6 +78,28 @@ def test_gradients_on_pixel_borders(device, backend, deterministic):
 
 
 @MODES
+@pytest.mark.parametrize("device,backend", device_backends())
+def test_location_gradients_at_pixel_centre_ties_are_the_pytorch_backends(device, backend,
+                                                                         deterministic):
+    """float32 locations on pixel centres ((j + 0.5) / W, rounded), where the
+    pixel coordinate lands on an integer or next to it: the location gradient
+    jumps there, and every kernel takes the cell the `pytorch` backend takes
+    (one rounding after the product, one after the difference)."""
+    shapes = [(100, 167), (50, 84), (25, 42), (13, 21)]
+    value, shapes_t, start, loc, attn = make_inputs(1, 200, 2, 8, shapes, 2, torch.float32,
+                                                    device=device)
+    for lvl, (h, w) in enumerate(shapes):
+        loc[..., lvl, :, 0] = (torch.randint(0, w, loc.shape[:3] + loc.shape[4:5]) + 0.5) / w
+        loc[..., lvl, :, 1] = (torch.randint(0, h, loc.shape[:3] + loc.shape[4:5]) + 0.5) / h
+    loc.requires_grad_()
+    grad = torch.randn(1, 200, 16, device=device)
+    (ours,) = torch.autograd.grad(op(backend, deterministic)(value, shapes_t, start, loc, attn),
+                                  loc, grad)
+    (plain,) = torch.autograd.grad(run(value, shapes_t, start, loc, attn, "pytorch"), loc, grad)
+    assert rel_err(ours, plain) <= 1e-5
+
+
+@MODES
 @pytest.mark.parametrize("device,backend", device_backends(reference=True))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16],
                          ids=["float32", "float16", "bfloat16"])
