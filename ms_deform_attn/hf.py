@@ -152,20 +152,20 @@ _FUNCTION_MODULES = (
 )
 
 
-def _attention_weights_wanted(kwargs) -> bool:
+def _attention_weights_wanted(kwargs) -> Optional[bool]:
     """Whether the caller will use the attention weights the layer returns:
     transformers 4.x asks with `output_attentions`; 5.x records them with
     forward hooks while a collector of attentions is active
-    (transformers.utils.output_capturing). When unsure (a traced or compiled
-    forward, where an unused result is dropped anyway, or a transformers
-    without either), they are made."""
+    (transformers.utils.output_capturing). None where that cannot be known (a
+    traced or compiled forward, where an unused result is dropped anyway, or
+    a transformers without either)."""
     if kwargs.get("output_attentions"):
         return True
     if torch.compiler.is_compiling():
-        return True
+        return None
     collector = _output_collector()
     if collector is None:
-        return "output_attentions" not in kwargs
+        return None if "output_attentions" not in kwargs else False
     collected = collector.get()
     return collected is not None and any("attentions" in key for key in collected)
 
@@ -189,8 +189,11 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
     (and of the layers that share it) on ms_deform_attn_fused: the sampling
     locations and the softmax formed inside the operator. The attention
     weights it returns are computed only when the caller will use them
-    (output_attentions), in the graph as transformers' layer computes them
-    (gradients reach the logits through them); None otherwise."""
+    (output_attentions): then the output is computed from them, through the
+    unfused operator, as transformers' layer computes it (gradients reach
+    them from the output: its retain_grad tests); where that is not known
+    (a compiled forward) the output stays fused and the weights are made
+    beside it (dropped when unused); None otherwise."""
     if position_embeddings is not None:
         hidden_states = hidden_states + position_embeddings
     n, lq, _ = hidden_states.shape
@@ -204,13 +207,21 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
                          f"{reference_points.shape[-1]}")
     if reference_points.shape[2] == 1:  # one for every level (RT-DETR's decoder)
         reference_points = reference_points.expand(-1, -1, self.n_levels, -1)
-    with layers._recomputing(remakes):
-        output = ms_deform_attn_fused(value, spatial_shapes, level_start_index, reference_points,
-                                      offsets, logits, backend=self._msda_backend,
-                                      spatial_shapes_list=spatial_shapes_list)
+    wanted = _attention_weights_wanted(kwargs)
     weights = None
-    if _attention_weights_wanted(kwargs):
+    if wanted is not False:
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
+    if wanted:
+        locations = layers.sampling_locations(reference_points, offsets, spatial_shapes)
+        output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights,
+                                backend=self._msda_backend,
+                                spatial_shapes_list=spatial_shapes_list)
+    else:
+        with layers._recomputing(remakes):
+            output = ms_deform_attn_fused(value, spatial_shapes, level_start_index,
+                                          reference_points, offsets, logits,
+                                          backend=self._msda_backend,
+                                          spatial_shapes_list=spatial_shapes_list)
     return layers._linear(self.output_proj, output), weights
 
 

@@ -196,18 +196,18 @@ def test_kernelize_warns_when_nothing_is_replaced(monkeypatch):
 def test_fused_layer_attention_weights_only_when_wanted():
     """swap_msda's fused layers make the attention weights they return only
     when the caller will use them: output_attentions (transformers 4.x), an
-    active attentions collector (5.x)."""
+    active attentions collector (5.x); None where that is not known."""
     pytest.importorskip("transformers")
     from ms_deform_attn.hf import _attention_weights_wanted
 
-    assert _attention_weights_wanted({"output_attentions": True})
+    assert _attention_weights_wanted({"output_attentions": True}) is True
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
-        assert not _attention_weights_wanted({"output_attentions": False})
-        assert _attention_weights_wanted({})
+        assert _attention_weights_wanted({"output_attentions": False}) is False
+        assert _attention_weights_wanted({}) is None  # not known: made beside the fused output
         return
-    assert not _attention_weights_wanted({})
+    assert _attention_weights_wanted({}) is False
     for collected, wanted in (({"attentions": []}, True), ({"cross_attentions": []}, True),
                               ({"hidden_states": []}, False)):
         token = _active_collector.set(collected)
@@ -275,6 +275,41 @@ def test_transformers_swap_attentions_carry_gradients(name, monkeypatch):
         assert na == nb and (pa.grad is None) == (pb.grad is None), na
         if pb.grad is not None and pb.grad.norm() > 0:
             assert rel_err(pa.grad, pb.grad.double()) <= 1e-4, na
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_transformers_swap_retains_grad_of_attentions_from_the_output(name, monkeypatch):
+    """What transformers' own test_retain_grad_hidden_states_attentions does,
+    on the swapped model: the attention weights returned under
+    output_attentions are the ones the output was computed from, so a
+    backward from one output element reaches every one of them that
+    transformers' own model reaches."""
+    import copy
+
+    from ms_deform_attn.hf import swap_msda
+
+    factory, (h, w), extra, output, sites = HF_MODELS[name]
+    own = factory("cpu")
+    if name == "mask2former":
+        from transformers.models.mask2former import modeling_mask2former as m2f
+        monkeypatch.setattr(m2f, "multi_scale_deformable_attention",
+                            m2f.multi_scale_deformable_attention)
+    swapped = copy.deepcopy(own)
+    assert swap_msda(swapped) == sites
+    inputs = {"pixel_values": torch.randn(2, 3, h, w)}
+    inputs.update(extra("cpu") if extra else {})
+    reached = []
+    for model in (own, swapped):
+        res = model(**inputs, output_attentions=True, output_hidden_states=True)
+        attentions = _attention_outputs(res)
+        for a in attentions.values():
+            if a.requires_grad:
+                a.retain_grad()
+        res[output].flatten()[0].backward()
+        reached.append({k for k, a in attentions.items() if a.grad is not None})
+    # (Mask2Former's pixel-decoder output is computed from none of them.)
+    assert reached[0] or name == "mask2former", name
+    assert reached[1] == reached[0], name
 
 
 @pytest.mark.parametrize("name", list(HF_MODELS))
