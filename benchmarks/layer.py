@@ -47,8 +47,9 @@ the step's kernels summed (torch.profiler over five steps), what the step
 takes where the host keeps the GPU fed.
 
 Writes layer.json / model.json under --out and prints a table. With
-MSDA_PLAIN_LINEARS=1 the layers' linears run as their nn.Linear modules
-instead of ms_deform_attn::_linear (an A/B of the bias gradients).
+--plain-linears the layers' linears run as their nn.Linear modules
+(MSDeformAttn's and swap_msda's fast_linears=False) instead of
+ms_deform_attn::_linear (an A/B of the bias gradients).
 """
 from __future__ import annotations
 
@@ -62,17 +63,13 @@ from typing import Callable, Dict, List
 
 import torch
 
-from ms_deform_attn import nn as msnn
 from ms_deform_attn import testing as W
 from ms_deform_attn.nn import MSDeformAttn
 
-# MSDA_PLAIN_LINEARS=1: the layers (MSDeformAttn and swap_msda's fused ones,
-# which call ms_deform_attn.nn._linear) call their nn.Linear modules instead
-# of ms_deform_attn::_linear (an A/B of the linears' bias gradients).
-if os.environ.get("MSDA_PLAIN_LINEARS") == "1":
-    msnn._linear = lambda module, x: module(x)
-
 from .timing import time_cpu, time_cuda
+
+# The layers' fast_linears option (--plain-linears: False).
+FAST_LINEARS = True
 
 IMPLS = ("ours", "fused", "fused-recompute", "fused-hm", "pytorch", "transformers", "swapped")
 DTYPES = ("fp32", "bf16")
@@ -114,7 +111,8 @@ def make_layer(impl: str, wl: W.Workload, d_model: int, device: str) -> torch.nn
     """The layer of `impl`, with the weights of MSDeformAttn under seed 0."""
     torch.manual_seed(0)
     n_levels = len(wl.levels)
-    base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto", fused=False)
+    base = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="auto", fused=False,
+                        fast_linears=FAST_LINEARS)
     if impl == "ours":
         return base.to(device)
     if impl in ("fused", "fused-recompute", "fused-hm"):
@@ -123,14 +121,15 @@ def make_layer(impl: str, wl: W.Workload, d_model: int, device: str) -> torch.nn
         base.value_layout = "head_major" if impl == "fused-hm" else "standard"
         return base.to(device)
     if impl == "pytorch":
-        mod = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="pytorch")
+        mod = MSDeformAttn(d_model, n_levels, wl.m, wl.p, backend="pytorch",
+                           fast_linears=FAST_LINEARS)
     else:
         mod = _hf_layer(d_model, n_levels, wl.m, wl.p)
     mod.load_state_dict(base.state_dict(), strict=True)
     if impl == "swapped":
         from ms_deform_attn.hf import swap_msda
         holder = torch.nn.Sequential(mod)
-        if swap_msda(holder) != 1:
+        if swap_msda(holder, fast_linears=FAST_LINEARS) != 1:
             raise RuntimeError("swap_msda found no MSDA in the transformers layer")
         mod = holder[0]
     return mod.to(device)
@@ -330,7 +329,7 @@ def bench_model(args) -> List[Dict]:
             model = full_size_deformable_detr(tiny=args.tiny_model)
             if path.startswith("swapped"):
                 swap_msda(model, fused=path != "swapped_unfused",
-                          recompute=path == "swapped_recompute")
+                          recompute=path == "swapped_recompute", fast_linears=FAST_LINEARS)
             model = model.to(device).train()
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5,
                                     **({"fused": True} if args.fused_adamw else {}))
@@ -395,6 +394,8 @@ def parse_args(argv=None):
     ap.add_argument("--image", default="800x1333", help="--model: H x W")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--tiny-model", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--plain-linears", action="store_true",
+                    help="the layers' linears as their nn.Linear modules (fast_linears=False)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="results")
     args = ap.parse_args(argv)
@@ -403,7 +404,9 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    global FAST_LINEARS
     args = parse_args(argv)
+    FAST_LINEARS = not args.plain_linears
     rows = bench_model(args) if args.model else bench_layer(args)
     os.makedirs(args.out, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

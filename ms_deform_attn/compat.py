@@ -14,6 +14,9 @@ import torch
 
 from ._ops import ms_deform_attn
 
+__all__ = ["MSDeformAttnFunction", "MultiScaleDeformableAttnFunction", "level_start_index",
+           "multi_scale_deformable_attn_pytorch"]
+
 
 class MSDeformAttnFunction:
     """Stand-in for the original `MSDeformAttnFunction` (an autograd.Function):

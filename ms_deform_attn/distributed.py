@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["register"]
+
+
 def _placements():
     from torch.distributed.tensor import Partial, Replicate, Shard
     return Partial, Replicate, Shard

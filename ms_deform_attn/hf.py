@@ -36,6 +36,10 @@ from ._ops import ms_deform_attn, ms_deform_attn_fused
 from .compat import multi_scale_deformable_attn_pytorch
 from . import nn as layers
 
+__all__ = ["MultiScaleDeformableAttention", "MultiScaleDeformableAttentionKernel",
+           "kernel_mapping", "kernelize", "kernelized_layers", "multi_scale_deformable_attention",
+           "swap_msda"]
+
 
 class MultiScaleDeformableAttention(nn.Module):
     """Parameter-free MSDA layer with transformers' forward signature.
@@ -222,7 +226,7 @@ def _fused_layer_forward(self, hidden_states, attention_mask=None, encoder_hidde
                                           reference_points, offsets, logits,
                                           backend=self._msda_backend,
                                           spatial_shapes_list=spatial_shapes_list)
-    return layers._linear(self.output_proj, output), weights
+    return layers._linear(self.output_proj, output, layers._fast_linears(self)), weights
 
 
 def _runs_deformable_detr_forward(layer: nn.Module) -> bool:
@@ -256,7 +260,7 @@ def _same_code(a, b) -> bool:
 
 
 def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True,
-              recompute: bool = False) -> int:
+              recompute: bool = False, fast_linears: bool = True) -> int:
     """Puts this package's operator under every MSDA of a transformers model.
 
     Replaces each `MultiScaleDeformableAttention` submodule defined by
@@ -271,6 +275,9 @@ def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True,
     logits for the backward (their parameters and state_dict unchanged), or
     with `recompute` forms them again at the backward from the projections'
     inputs (MSDeformAttn's `recompute`: less memory, a little more time).
+    `fast_linears`: MSDeformAttn's option of that name for those fused layers
+    (on CUDA their linears' bias gradients by one column sum at the copy
+    rate; False calls the nn.Linear modules).
     Returns the number of places swapped.
     """
     swapped = 0
@@ -283,6 +290,7 @@ def swap_msda(model: nn.Module, backend: str = "auto", fused: bool = True,
                 if fused and _runs_deformable_detr_forward(parent):
                     parent._msda_backend = backend
                     parent._msda_recompute = recompute
+                    parent._msda_fast_linears = fast_linears
                     # A partial of the module-level function, not a bound
                     # method: it pickles (torch.save of the whole model,
                     # copy.deepcopy, multiprocessing) and unpickles.

@@ -18,23 +18,30 @@ from torch import nn
 
 from ._ops import ms_deform_attn, ms_deform_attn_fused
 
-__all__ = ["MSDeformAttn"]
+__all__ = ["MSDeformAttn", "sampling_locations"]
 
 
-def _linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) for the attention layers' linears. A plain nn.Linear (no
-    hooks, not a subclass) on CUDA runs as ms_deform_attn::_linear: torch's
-    linear forward and backward, but the bias gradient is one read of the
-    output gradient at the copy rate (torch's sum over its rows runs far
-    below it: docs/performance.md). Anything else, and traced, compiled or
-    exported code (where the compiler makes its own reduction), calls the
-    module."""
-    if (type(module) is nn.Linear and x.is_cuda and not module._forward_hooks
+def _linear(module: nn.Module, x: torch.Tensor, fast: bool = True) -> torch.Tensor:
+    """module(x) for the attention layers' linears. With `fast` (the layers'
+    `fast_linears` option), a plain nn.Linear (no hooks, not a subclass) on
+    CUDA runs as ms_deform_attn::_linear: torch's linear forward and
+    backward, but the bias gradient is one read of the output gradient at
+    the copy rate (torch's sum over its rows runs far below it:
+    docs/performance.md). Anything else, and traced, compiled or exported
+    code (where the compiler makes its own reduction), calls the module."""
+    if (fast and type(module) is nn.Linear and x.is_cuda and not module._forward_hooks
             and not module._forward_pre_hooks and not _global_module_hooks()
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and not torch.jit.is_scripting() and not torch.onnx.is_in_onnx_export()):
         return torch.ops.ms_deform_attn._linear(x, module.weight, module.bias)
     return module(x)
+
+
+def _fast_linears(layer: nn.Module) -> bool:
+    """A layer's `fast_linears` option: MSDeformAttn's attribute, or the one
+    swap_msda sets on transformers' layers; True where unset (a layer
+    pickled before the option existed)."""
+    return getattr(layer, "fast_linears", getattr(layer, "_msda_fast_linears", True))
 
 
 def _global_module_hooks() -> bool:
@@ -203,9 +210,11 @@ def _project(layer: nn.Module, query: torch.Tensor, input_flatten: torch.Tensor,
     def head_major_value():
         return value_of(_head_major_linear(layer.value_proj, input_flatten, heads, v_dtype))
 
-    value = head_major_value() if head_major else value_of(_linear(layer.value_proj, input_flatten))
-    offsets = offsets_of(_linear(layer.sampling_offsets, query))
-    logits = logits_of(_linear(layer.attention_weights, query))
+    fast = _fast_linears(layer)
+    value = (head_major_value() if head_major
+             else value_of(_linear(layer.value_proj, input_flatten, fast)))
+    offsets = offsets_of(_linear(layer.sampling_offsets, query, fast))
+    logits = logits_of(_linear(layer.attention_weights, query, fast))
     remakes = []
     mods = (layer.value_proj, layer.sampling_offsets, layer.attention_weights)
     if (recompute and torch.is_grad_enabled() and all(_plain(m) for m in mods)
@@ -252,11 +261,16 @@ class MSDeformAttn(nn.Module):
             reads in place (two horizontally adjacent corners of a head are
             then contiguous), and grad_value comes back in that layout,
             copied once for value_proj's backward.
+        fast_linears: True (default): on CUDA the layer's four nn.Linear
+            run as ms_deform_attn::_linear, whose bias gradient is one
+            column sum at the copy rate (torch's runs far below it); the
+            same values and gradients otherwise. False calls the modules.
+            Hooks, subclasses and traced or compiled code call them anyway.
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4,
                  backend: str = "auto", fused: bool = True, recompute: bool = False,
-                 value_layout: str = "standard"):
+                 value_layout: str = "standard", fast_linears: bool = True):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"d_model must be divisible by n_heads, got {d_model} and {n_heads}")
@@ -275,6 +289,7 @@ class MSDeformAttn(nn.Module):
         if value_layout not in ("standard", "head_major"):
             raise ValueError(f'value_layout must be "standard" or "head_major", got {value_layout!r}')
         self.value_layout = value_layout
+        self.fast_linears = fast_linears
         self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
         self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
         self.value_proj = nn.Linear(d_model, d_model)
@@ -334,13 +349,13 @@ class MSDeformAttn(nn.Module):
                                               reference_points, offsets, logits,
                                               backend=self.backend,
                                               spatial_shapes_list=input_spatial_shapes_list)
-            return _linear(self.output_proj, output)
+            return _linear(self.output_proj, output, _fast_linears(self))
         weights = F.softmax(logits, -1).view(n, lq, self.n_heads, self.n_levels, self.n_points)
         locations = sampling_locations(reference_points, offsets, input_spatial_shapes)
         output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index,
                                 locations, weights, backend=self.backend,
                                 spatial_shapes_list=input_spatial_shapes_list)
-        return _linear(self.output_proj, output)
+        return _linear(self.output_proj, output, _fast_linears(self))
 
 
 def sampling_locations(reference_points: torch.Tensor, offsets: torch.Tensor,

@@ -35,6 +35,10 @@ import torch
 
 from .reference import fused_locations_and_weights, ms_deform_attn_gather
 
+__all__ = ["TARGETS", "TRT_PLUGIN", "TRT_DOMAIN", "OPENVINO_CONFIG", "PRECISION_NOTE",
+           "export_onnx", "compile_openvino", "export_example", "symbolic_sizes", "output_names",
+           "portable_decompositions", "custom_translation_table"]
+
 TARGETS = ("portable", "tensorrt")
 TRT_PLUGIN = "MultiscaleDeformableAttnPlugin_TRT"
 TRT_DOMAIN = "trt.plugins"

@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+__all__ = ["ms_deform_attn_pytorch", "ms_deform_attn_gather", "ms_deform_attn_plain",
+           "fused_locations_and_weights"]
+
 
 def ms_deform_attn_pytorch(
     value: torch.Tensor,

@@ -2,10 +2,10 @@
 layer benchmark's, benchmarks/layer.py), from torch.profiler: where the
 layer's time goes besides the operator.
 
-    python scripts/layer_kernels.py [workload] [dtype] [impl ...]
+    python scripts/layer_kernels.py [workload] [dtype] [impl ...] [--plain-linears]
 
-With MSDA_PLAIN_LINEARS=1 (benchmarks/layer.py) the layers call their
-nn.Linear modules instead of ms_deform_attn::_linear.
+With --plain-linears the layers call their nn.Linear modules instead of
+ms_deform_attn::_linear (fast_linears=False).
 """
 import os
 import sys
@@ -16,9 +16,11 @@ from benchmarks import layer as B  # noqa: E402
 from kernel_times import profile_table  # noqa: E402
 from ms_deform_attn import testing as W  # noqa: E402
 
-name = sys.argv[1] if len(sys.argv) > 1 else "ddetr_enc"
-dname = sys.argv[2] if len(sys.argv) > 2 else "bf16"
-impls = sys.argv[3:] or ["ours", "fused"]
+args = [a for a in sys.argv[1:] if a != "--plain-linears"]
+B.FAST_LINEARS = "--plain-linears" not in sys.argv
+name = args[0] if len(args) > 0 else "ddetr_enc"
+dname = args[1] if len(args) > 1 else "bf16"
+impls = args[2:] or ["ours", "fused"]
 wl = W.get(name)
 levels = [tuple(x) for x in wl.levels]
 query, flat, ref, shapes, start, grad = B.layer_inputs(wl, 256, "cuda")

@@ -85,10 +85,11 @@ def _from_linear_op(out: torch.Tensor) -> bool:
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_layer_linears_use_the_op(monkeypatch):
+def test_layer_linears_use_the_op():
     """On CUDA the layer's plain nn.Linear modules run as _linear (their bias
     gradient by _column_sum); a linear with a hook calls the module; the
-    layer's parameter gradients match a run on the modules themselves."""
+    layer's parameter gradients match a run on the modules themselves
+    (fast_linears=False), which call no _linear."""
     from ms_deform_attn import nn as msnn
 
     layer = MSDeformAttn(64, len(MODULE_LEVELS), 8, 3).cuda()
@@ -103,12 +104,15 @@ def test_layer_linears_use_the_op(monkeypatch):
     assert seen == [1]
     handle.remove()
     query, ref, flat, shapes, start, pad, _ = module_inputs("cuda", d_model=64, mask=True)
+    assert not _from_linear_op(msnn._linear(layer.value_proj, x, False))
     grads = []
-    for plain in (False, True):
-        if plain:
-            monkeypatch.setattr(msnn, "_linear", lambda module, t: module(t))
+    for fast in (True, False):
+        layer.fast_linears = fast
         layer.zero_grad(set_to_none=True)
-        layer(query, ref, flat, shapes, start, pad).square().sum().backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            layer(query, ref, flat, shapes, start, pad).square().sum().backward()
+        called = any("ms_deform_attn::_linear" in e.name for e in prof.events())
+        assert called == fast
         grads.append({n: p.grad.clone() for n, p in layer.named_parameters()})
     for n, g in grads[0].items():
         assert rel_err(g, grads[1][n].double()) <= 1e-5, n

@@ -1,0 +1,48 @@
+"""The Python surface is declared: every public module says what it exports
+(__all__), every name it lists exists, and every public function or class it
+defines is listed (a new one has to be declared, or named with a leading
+underscore)."""
+import importlib
+import inspect
+
+import pytest
+import torch
+
+import ms_deform_attn as msda
+from ms_deform_attn import testing as W
+
+MODULES = ["ms_deform_attn", "ms_deform_attn.nn", "ms_deform_attn.hf", "ms_deform_attn.onnx",
+           "ms_deform_attn.distributed", "ms_deform_attn.reference", "ms_deform_attn.compat",
+           "ms_deform_attn.layers"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_modules_declare_their_surface(name):
+    module = importlib.import_module(name)
+    declared = getattr(module, "__all__", None)
+    assert declared is not None, f"{name} has no __all__"
+    assert len(set(declared)) == len(declared), name
+    missing = [n for n in declared if not hasattr(module, n)]
+    assert not missing, f"{name}.__all__ lists what it lacks: {missing}"
+    defined = [n for n, obj in vars(module).items()
+               if not n.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+               and getattr(obj, "__module__", None) == name]
+    undeclared = sorted(set(defined) - set(declared))
+    assert not undeclared, f"{name} defines public names it does not declare: {undeclared}"
+
+
+def test_the_default_device_of_the_planners_is_testing_h100():
+    """testing.DEVICES describes devices to the planners; its H100 (and the
+    H200, the same figures) is the planners' own default device (DeviceInfo's
+    defaults, csrc/plan/device.h), which the backward's query plans for when
+    value is on no CUDA device: the same plans for every problem below."""
+    assert W.DEVICES["H200"] == W.DEVICES["H100"]
+    for name in ("ddetr_enc", "ddetr_dec", "dino_dec", "bevformer_tsa", "seed"):
+        wl = W.get(name)
+        for dtype in (torch.float32, torch.bfloat16):
+            value, shapes, start, loc, attn = W.make_inputs(wl.scaled(1), dtype, device="meta")
+            args = (value, shapes, start, loc, attn)
+            for det in (False, True):
+                assert (msda.select_backward_path(*args, deterministic=det)
+                        == msda.select_backward_path(*args, deterministic=det,
+                                                     device=W.DEVICES["H100"])), (name, dtype)
