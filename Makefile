@@ -6,7 +6,8 @@
 # make kernels-build - the in-place build in the Hugging Face `kernels` layout (build/kernels)
 # make wheel  - a wheel in dist/ for the installed torch, with the CUDA kernels for
 #               WHEEL_ARCHS (A100 ... RTX 50: sm_80 sm_86 sm_89 sm_90a sm_100 sm_120, PTX
-#               of the newest); docs/development.md gives its build time and size.
+#               of the newest) where torch is a CUDA build and nvcc is found, the CPU
+#               kernels otherwise; docs/development.md gives its build time and size.
 #               CUDA=12 or CUDA=13: the wheel of that CUDA major, in dist/cu<major>/,
 #               after checking that torch and nvcc are of it
 # Set FORCE_CUDA=1 to compile the CUDA kernels without a visible GPU; MAX_JOBS
@@ -34,6 +35,10 @@ build: deps
 test: build
 	$(PYTHON) -m pytest -q tests
 
+# The benchmarks need the bench extra (numpy, matplotlib for the chart, tqdm),
+# not the test suite's.
+bench bench-full: TEST_EXTRAS = bench
+
 bench: build
 	$(PYTHON) -m benchmarks.run $(BENCH_ARGS)
 
@@ -45,7 +50,12 @@ wheel:
 	@command -v ninja >/dev/null || $(PYTHON) -c "import ninja" 2>/dev/null || $(PYTHON) -m pip install ninja
 	@$(PYTHON) -c "import wheel" 2>/dev/null || $(PYTHON) -m pip install wheel
 	@if [ -n "$(CUDA)" ]; then $(PYTHON) scripts/wheel_cuda.py "$(CUDA)"; fi
-	FORCE_CUDA=$${FORCE_CUDA:-1} TORCH_CUDA_ARCH_LIST="$(WHEEL_ARCHS)" \
+	@# The CUDA kernels where torch is a CUDA build and a CUDA toolkit is
+	@# found (FORCE_CUDA=1 or 0 decides instead), else the CPU wheel.
+	@force=$${FORCE_CUDA:-$$($(PYTHON) scripts/wheel_cuda.py --can-build)}; \
+	  if [ "$$force" = 1 ]; then echo "make wheel: the CUDA kernels for $(WHEEL_ARCHS)"; \
+	  else echo "make wheel: the CPU kernels only (no CUDA torch or no CUDA toolkit here; FORCE_CUDA=1 insists)"; fi; \
+	  FORCE_CUDA=$$force TORCH_CUDA_ARCH_LIST="$(WHEEL_ARCHS)" \
 	  $(PYTHON) -m pip wheel --no-build-isolation --no-deps -w dist$(if $(CUDA),/cu$(CUDA)) .
 
 kernels-build: build

@@ -325,9 +325,12 @@ def backward_us(fwdbwd: Dict, fwd: Dict):
 
 def fmt_table(result: Dict) -> str:
     env = result["env"]
+    scaled = sorted({r["workload"] for r in result["rows"] if "/" in r["workload"]})
     lines = [
         f"device: {env.get('device_name')} | torch {env['torch']} | CUDA {env['cuda']} | "
         f"commit {env['commit']} | {env['date']} | copy {env['copy_bandwidth_GBps']:.0f} GB/s",
+        *([f"scaled down: {', '.join(scaled)} ('name/k': a k-th of the queries and of every "
+           f"level's pixels; --scale sets k, {CPU_SCALE} by default on the CPU)"] if scaled else []),
         "",
         "| workload | dtype | pass | impl | time (us) | spread (us) | bwd (us) | GB/s | x floor "
         "| rel. error (out; or grad value / loc / weights) |",
@@ -338,7 +341,7 @@ def fmt_table(result: Dict) -> str:
         err = " / ".join(f"{e:.1e}" for e in r.get("rel_err_by_input", [r["rel_err"]]))
         lines.append(
             f"| {r['workload']} | {r['dtype']} | {r['pass_']} | {r['impl']} | {r['time_us']:.1f} | "
-            f"{r['spread_us']:.1f} | {bwd} | {r['GBps']:.0f} | {r['x_floor']:.1f} | {err} |")
+            f"{r['spread_us']:.1f} | {bwd} | {r['GBps']:.3g} | {r['x_floor']:.1f} | {err} |")
     lines += auto_check(result["rows"])
     for n in result["notes"]:
         lines.append(f"note: {n}")

@@ -13,9 +13,8 @@ With the `kernels` package, `kernelize(model)` runs transformers' own
 mechanism (`kernels.kernelize` with `kernel_mapping()`, the layer served from
 here: no Hub, no network) and says how many layers it replaced; it warns
 when that is none. transformers marks its layer for `kernels` only with the
-`kernels` versions it supports (not with the one pip installs by default,
-0.17.2, for transformers 5.x); `kernelize` marks it itself then, as
-`kernels.replace_kernel_forward_from_hub` would:
+`kernels` versions it supports; with another one `kernelize` marks it
+itself, as `kernels.replace_kernel_forward_from_hub` would:
 
     from ms_deform_attn.hf import kernelize
     model, replaced = kernelize(model, device="cuda", training=True)

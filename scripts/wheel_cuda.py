@@ -3,6 +3,7 @@ CUDA=<major>`): torch built for that CUDA major and an nvcc of it. Names
 what was found and what is needed, exits 1 otherwise.
 
     python scripts/wheel_cuda.py 12
+    python scripts/wheel_cuda.py --can-build    # 1 where torch is a CUDA build and nvcc is found, else 0
 """
 import re
 import subprocess
@@ -22,8 +23,20 @@ def nvcc_version(cuda_home):
     return m.group(1) if m else None
 
 
+def can_build() -> bool:
+    """Whether `make wheel` can compile the CUDA kernels here: torch is a
+    CUDA build and its extension builder finds an nvcc."""
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    return torch.version.cuda is not None and nvcc_version(CUDA_HOME) is not None
+
+
 def main(argv):
     want = argv[1] if len(argv) > 1 else ""
+    if want == "--can-build":
+        print(int(can_build()))
+        return
     if not want.isdigit():
         sys.exit(f"make wheel: CUDA must be a CUDA major version (12 or 13), got {want!r}")
     import torch

@@ -270,3 +270,23 @@ def test_a_backward_is_derived_only_above_the_spreads():
     # A busy machine: the forward + backward read faster than the forward.
     assert backward_us({"time_us": 90.0, "spread_us": 3.0}, fwd) is None
     assert backward_us({"time_us": 104.0, "spread_us": 3.0}, fwd) is None
+
+
+def test_the_report_of_a_cpu_run_says_what_it_measured(tmp_path, monkeypatch):
+    """`benchmarks.report` with no argument renders the run `make bench` just
+    wrote (results/bench.json), and a CPU run's report speaks of the CPU, of
+    scaled-down workloads and of the run's own chart."""
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks import report, run
+
+    monkeypatch.chdir(tmp_path)
+    assert run.main(["--workloads", "ddetr_dec", "--dtypes", "fp32", "--device", "cpu",
+                     "--scale", "8", "--target-ms", "1", "--backends", "cpu", "--no-plot"]) == 0
+    out = tmp_path / "report.md"
+    import contextlib
+    with open(out, "w") as f, contextlib.redirect_stdout(f):
+        assert report.main([]) == 0
+    text = out.read_text()
+    assert "python -m benchmarks.report results/bench.json" in text
+    assert "the CPU" in text and "scaled down" in text and "(results/bench.png)" in text
+    assert "SMs" not in text and "CUDA graph" not in text
