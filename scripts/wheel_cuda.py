@@ -25,11 +25,13 @@ def nvcc_version(cuda_home):
 
 def can_build() -> bool:
     """Whether `make wheel` can compile the CUDA kernels here: torch is a
-    CUDA build and its extension builder finds an nvcc."""
+    CUDA build and its extension builder finds an nvcc of the same major."""
     import torch
     from torch.utils.cpp_extension import CUDA_HOME
 
-    return torch.version.cuda is not None and nvcc_version(CUDA_HOME) is not None
+    nvcc = nvcc_version(CUDA_HOME)
+    return (torch.version.cuda is not None and nvcc is not None
+            and nvcc.split(".")[0] == torch.version.cuda.split(".")[0])
 
 
 def main(argv):
