@@ -265,8 +265,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> fused_backward_ref_composite(
 }
 
 // Every device; CUDA has its own kernels (cuda/msda_cuda.cpp), which form
-// the locations and weights inside the baseline forward and the sorted
-// backward.
+// the locations and weights inside the `baseline` and `blocked` forwards
+// and the backward's dots kernels, whichever grad_value path follows.
 constexpr KernelEntry kKernels[] = {
     MSDA_KERNEL(fused_forward_composite, "CompositeExplicitAutograd", "ms_deform_attn_fused",
                 &fused_forward_composite),

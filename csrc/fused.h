@@ -31,8 +31,8 @@ FusedSizes check_fused_inputs(const Tensor& value, const Tensor& spatial_shapes,
 
 // The forward from ATen ops (through the dispatcher), on inputs check_fused_inputs() passed as s: the
 // locations and weights formed as tensors, then ms_deform_attn (every
-// device; the CUDA kernel's fallback where the baseline kernel does not form
-// them itself).
+// device; the CUDA kernels' fallback where the `baseline` and `blocked`
+// forwards and the backward's dots kernels do not form them themselves).
 Tensor fused_forward_formed(const FusedSizes& s, const Tensor& value,
                                 const Tensor& spatial_shapes,
                                 const Tensor& level_start_index,

@@ -14,7 +14,7 @@ come from one of two places:
   _C.register_boxed_kernels) and the Python registrations below
   (torch.library): the same results, gradients, saved tensors and autocast
   casts, but each call pays some tens of microseconds of host time more
-  (docs/development.md gives the figures). A warning says so once.
+  (docs/performance.md, "Host cost of a call"). A warning says so once.
 
 MS_DEFORM_ATTN_PYTHON_AUTOGRAD=1 takes the Python registrations even where
 a C++ layer exists (the tests run both).

@@ -135,18 +135,20 @@ def ms_deform_attn(
             kernels' coordinate arithmetic). The environment
             variable MS_DEFORM_ATTN_BACKEND overrides "auto".
         deterministic: whether the backward must give bitwise identical
-            gradients on every run (grad_value by sort and gather instead of
-            atomics). None (default) follows
-            torch.are_deterministic_algorithms_enabled() at backward time.
-            Without it the backward takes whichever path is faster: on CUDA
-            with 16-bit values and dense sampling (encoders) that is the
-            sorted one, reproducible too; elsewhere atomics (BENCHMARKS.md). The
+            gradients on every run (grad_value by grouping the samples,
+            through a global sort or, where one (batch, head, level)'s
+            samples fit a block, a block-local one, instead of atomics).
+            None (default) follows torch.are_deterministic_algorithms_enabled()
+            at backward time. Without it the backward takes whichever path is
+            faster: on CUDA with 16-bit values the sorted one on dense
+            sampling (encoders) and the block-local one on the decoders, both
+            reproducible too; elsewhere atomics (docs/backward.md). The
             forward is deterministic either way.
         spatial_shapes_list: the level shapes on the host, [(H, W), ...] (what
             transformers passes as value_spatial_shapes_list), equal to
             spatial_shapes. Optional; the `tma` backend needs it to build its
             copy descriptors without reading spatial_shapes back from the GPU
-            (a sync), and without it "auto" never picks `tma`.
+            (a sync). `auto` never picks `tma` (an explicit request).
 
     Returns:
         (N, Lq, M * D) in value's dtype.

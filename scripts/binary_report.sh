@@ -2,7 +2,7 @@
 # Kernels and cubin bytes per source file and per GPU architecture in the
 # operator library (cuobjdump from the CUDA toolkit):
 #   bash scripts/binary_report.sh [ms_deform_attn/lib/libms_deform_attn.so]
-# docs/development.md keeps the figures; .ci/run prints them.
+# .ci/run prints them on every run.
 set -euo pipefail
 lib=$(realpath "${1:-ms_deform_attn/lib/libms_deform_attn.so}")
 command -v cuobjdump > /dev/null || { echo "binary_report: no cuobjdump on the PATH"; exit 1; }

@@ -207,7 +207,7 @@ std::vector<std::string> cuda_backends(const DeviceInfo& d) {
 }
 
 std::string reference_backend_reason() {
-  return "is the grid_sample reference, which the Python entry points run "
+  return "is the operator in plain PyTorch ops, which the Python entry points run "
          "(ms_deform_attn.ms_deform_attn(..., backend='pytorch')); the C++ operator has no "
          "kernel of that name";
 }

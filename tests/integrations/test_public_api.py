@@ -62,3 +62,35 @@ def test_the_usage_docs_arguments_example_runs_here():
     scope = {"__name__": "__doc_example__"}
     exec(compile(block.group(1), "docs/usage.md", "exec"), scope)
     assert scope["out"].shape == (2, 300, 256) and scope["out"].dtype == torch.bfloat16
+
+
+def test_one_version_everywhere():
+    """The version's four places agree (docs/development.md, Release)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(msda.__file__).resolve().parent
+    found = {"ms_deform_attn.__version__": msda.__version__}
+    header = root / "include" / "ms_deform_attn" / "version.h"
+    found["version.h"] = re.search(r'#define MS_DEFORM_ATTN_VERSION "([^"]+)"',
+                                   header.read_text()).group(1)
+    cmake = root / "share" / "cmake" / "ms_deform_attn" / "ms_deform_attnConfigVersion.cmake"
+    found["cmake"] = re.search(r'set\(PACKAGE_VERSION "([^"]+)"\)', cmake.read_text()).group(1)
+    pyproject = root.parent / "pyproject.toml"
+    if pyproject.exists():  # the checkout's
+        found["pyproject.toml"] = re.search(r'^version = "([^"]+)"', pyproject.read_text(),
+                                            re.M).group(1)
+    assert len(set(found.values())) == 1, found
+
+
+def test_docs_stay_in_proportion():
+    """README at most 200 lines, docs/development.md 250, performance.md 400."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    limits = {"README.md": 200, "docs/development.md": 250, "docs/performance.md": 400}
+    if not (root / "docs").exists():
+        pytest.skip("docs/ is the checkout's: run from the checkout")
+    for name, most in limits.items():
+        lines = (root / name).read_text().count("\n")
+        assert lines <= most, f"{name}: {lines} lines, at most {most}"

@@ -104,10 +104,21 @@ REFUSED = [
      r"needs D \* element size to be a multiple of 16 bytes and at most 512, got D = 6"),
     ("cpu-on-cuda", ("ddetr_enc", "fp32"), "H200", {"backend": "cpu"},
      r"backend 'cpu' cannot run these inputs: cannot run on CUDA tensors"),
-    ("pytorch-in-cpp", ("ddetr_enc", "fp32"), "H200", {"backend": "nope"},
+    ("unknown", ("ddetr_enc", "fp32"), "H200", {"backend": "nope"},
      r"unknown backend 'nope'; expected 'auto' or one of \['cpu', 'tma', 'cluster', "
      r"'persistent', 'blocked', 'baseline', 'pytorch'\]"),
 ]
+
+
+def test_the_cpp_planner_refuses_the_pytorch_backend():
+    """`pytorch` runs in Python (the entry points and the layers); the C++
+    planner, asked for it directly, says so."""
+    value, shapes, start, loc, attn = problem("ddetr_enc", "fp32")
+    with pytest.raises(RuntimeError, match=r"backend 'pytorch' is the operator in plain "
+                                           r"PyTorch ops, which the Python entry points run"):
+        torch.ops.ms_deform_attn._select_forward_plan(value, shapes, start, loc, attn, None,
+                                                      False, "pytorch", None)
+    assert msda.backend_reason("pytorch", value, shapes, start, loc, attn) == ""
 
 
 @pytest.mark.parametrize("args,device,wishes,match", [t[1:] for t in REFUSED],
