@@ -52,7 +52,7 @@ def _ops():
 def _gather(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
             backend="auto", deterministic=None, spatial_shapes_list=None):
     return ms_deform_attn_gather(value, spatial_shapes, level_start_index, sampling_locations,
-                                 attention_weights)
+                                 attention_weights, precision_probe=True)
 
 
 def _fused_gather(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
@@ -60,7 +60,8 @@ def _fused_gather(value, spatial_shapes, level_start_index, reference_points, sa
     n, lq, m, n_levels, n_points, _ = sampling_offsets.shape
     logits = attention_logits.reshape(n, lq, m, n_levels, n_points)
     loc, weights = fused_locations_and_weights(spatial_shapes, reference_points, sampling_offsets, logits)
-    return ms_deform_attn_gather(value, spatial_shapes, level_start_index, loc, weights)
+    return ms_deform_attn_gather(value, spatial_shapes, level_start_index, loc, weights,
+                                 precision_probe=True)
 
 
 def portable_decompositions() -> Dict[Any, Callable]:
@@ -267,10 +268,10 @@ def output_names(program) -> list:
 
 # OpenVINO compiles a graph in the precision its device prefers unless told
 # otherwise: bf16 on CPUs with bf16 units (AMX, AVX512-BF16), f16 on its GPU
-# plugin. In the portable graph that rounds the pixel coordinates (the
-# location times the level's width) to an 8- or 11-bit mantissa, which loses
-# their fraction on any level wider than a few hundred pixels. This setting
-# keeps every operation in f32.
+# plugin. In the portable graph that would round the pixel coordinates (the
+# location times the level's width) to an 8- or 11-bit mantissa and lose
+# their fraction, so the graph's precision probe makes the output NaN there
+# (reference._precision_probe). This setting keeps every operation in f32.
 OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
 
 
@@ -290,7 +291,8 @@ def compile_openvino(model, device: str = "CPU", config: Dict[str, Any] | None =
 PRECISION_NOTE = ("The sampling's coordinates need float32: compile with float32 inference "
                   "precision (OpenVINO: INFERENCE_PRECISION_HINT=f32, "
                   "ms_deform_attn.onnx.compile_openvino; its CPU defaults to bf16 where the CPU "
-                  "has bf16 units, its GPU to f16).")
+                  "has bf16 units, its GPU to f16). Under a lower precision every output of the "
+                  "operator is NaN on purpose, never silently wrong.")
 
 
 def _note_precision(path) -> None:

@@ -62,6 +62,7 @@ def ms_deform_attn_gather(
     sampling_locations: torch.Tensor,
     attention_weights: torch.Tensor,
     corners_outside_read_nothing: bool = False,
+    precision_probe: bool = False,
 ) -> torch.Tensor:
     """The same operator written with one gather, elementwise ops and one
     batched matrix product (no grid_sample, no host reads of the level
@@ -75,7 +76,9 @@ def ms_deform_attn_gather(
     map is read (a clamped row) and weighted by zero, so that a non-finite
     value there still reaches the sum; `corners_outside_read_nothing` zeroes
     those rows first, as the kernels never add them (one more elementwise
-    pass)."""
+    pass). `precision_probe` (the portable export's) makes every output NaN
+    where the graph's arithmetic runs in fewer than float32's bits (see
+    _precision_probe)."""
     n, s, m, d = value.shape
     _, lq, _, n_levels, n_points, _ = sampling_locations.shape
     acc = torch.float64 if value.dtype == torch.float64 else torch.float32
@@ -103,6 +106,8 @@ def ms_deform_attn_gather(
     ax0, ax1 = (1 - fx) * in_x0.to(acc), fx * in_x1.to(acc)
     ay0, ay1 = (1 - fy) * in_y0.to(acc) * a, fy * in_y1.to(acc) * a
     scale = torch.stack([ax0 * ay0, ax1 * ay0, ax0 * ay1, ax1 * ay1], dim=4)  # (N, Lq, M, L, 4, P)
+    if precision_probe:
+        scale = scale * _precision_probe(x)
 
     def as_index(c):  # scalar bounds: past any level's side, small enough for int64 sums
         return torch.clamp(c, -1, 2 ** 30).to(torch.int64)
@@ -130,6 +135,29 @@ def ms_deform_attn_gather(
     bad_row = (~finite).flatten(3).any(-1, keepdim=True)  # (N, Lq, M, 1)
     out = torch.where(bad_row, torch.full_like(out, float("nan")), out)
     return out.reshape(n, lq, m * d).to(value.dtype)
+
+
+# 1 + 2^-12 is a float32 (24-bit significand) but no bfloat16 (8) or float16
+# (11): it rounds to 1 in either.
+_PROBE_EPS = 2.0 ** -12
+
+
+def _precision_probe(x: torch.Tensor) -> torch.Tensor:
+    """A one-element factor, 1 where the graph computes in float32 and NaN
+    where a runtime lowers its activations to bfloat16 or float16 (OpenVINO
+    on a CPU with bf16 units by default, on its GPU with f16): there the
+    pixel coordinates lose their fraction, and a NaN output says so instead
+    of a silently wrong one. 1 + 2^-12 is made at run time from x (a
+    constant would be folded at compile time, in float32) and stored once
+    by a concatenation, as the coordinates are, before the difference:
+    (p - 1) * 2^12 is 1 in float32 and 0 where p was rounded, and d / d
+    turns that into 1 or NaN. It multiplies the corner weights, ahead of the
+    batched product, where a runtime that keeps only a graph's tail in
+    float32 still lowers it."""
+    p = x.reshape(-1)[:1] * 0 + (1 + _PROBE_EPS)
+    p = torch.cat([p, p])[:1]
+    d = (p - 1) * (1 / _PROBE_EPS)
+    return d / d
 
 
 def ms_deform_attn_plain(

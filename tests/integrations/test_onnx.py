@@ -7,6 +7,7 @@ import torch
 
 pytest.importorskip("onnx")
 pytest.importorskip("onnxscript")
+import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
 import ms_deform_attn as msda  # noqa: E402
@@ -197,11 +198,37 @@ def _openvino(path):
 
     core = ov.Core()
     compiled = [compile_openvino(path)]
-    if str(core.get_property("CPU", "INFERENCE_PRECISION_HINT")) in ("<Type: 'float32'>", "f32"):
+    if _openvino_default_is_f32(core):
         compiled.append(core.compile_model(str(path), "CPU"))
     for c in compiled:
         assert "32" in str(c.get_property("INFERENCE_PRECISION_HINT"))
     return compiled
+
+
+def _openvino_default_is_f32(core) -> bool:
+    return str(core.get_property("CPU", "INFERENCE_PRECISION_HINT")) in ("<Type: 'float32'>", "f32")
+
+
+def _openvino_reduced(path):
+    """The export compiled by OpenVINO's CPU in bf16: its default where the
+    CPU reports BF16 (skips with the reason elsewhere), which must make
+    every output NaN, never a silently wrong one."""
+    ov = pytest.importorskip("openvino")
+    core = ov.Core()
+    caps = core.get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    if "BF16" not in caps:
+        pytest.skip(f"this CPU computes in f32 only (OpenVINO's capabilities: {caps}): its "
+                    "default configuration is tested with the f32 one")
+    compiled = core.compile_model(str(path), "CPU")
+    assert not _openvino_default_is_f32(core), "a CPU reporting BF16 defaults to bf16"
+    assert "bf16" in str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower() or \
+        "bfloat16" in str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+    return compiled
+
+
+def _all_nan(session, args):
+    outs = session.run(None, {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)})
+    return all(np.isnan(o).all() for o in outs)
 
 
 class _OpenVINOSession:
@@ -247,6 +274,39 @@ def test_openvino_runs_the_portable_layer(tmp_path):
                 _close(_run(session, args), layer(*args))
 
 
+def test_openvino_default_on_a_bf16_cpu_gives_nan_not_a_wrong_output(tmp_path):
+    """OpenVINO's default configuration on a CPU with bf16 units (Deformable
+    DETR's four levels, 8 heads, 4 points, at sizes other than the export's):
+    the output is all NaN (the graph's precision probe), where it was 0.29-0.52
+    off, silently; the documented f32 configuration is right."""
+    from ms_deform_attn.nn import MSDeformAttn
+    from ms_deform_attn.onnx import compile_openvino
+
+    torch.manual_seed(0)
+    layer = MSDeformAttn(d_model=64, n_levels=4, n_heads=8, n_points=4).eval()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+    levels = [(100, 167), (50, 84), (25, 42), (13, 21)]
+    shapes, start = level_tensors(levels, "cpu")
+    s = sum(h * w for h, w in levels)
+
+    def inputs(n, lq):
+        return (torch.randn(n, lq, 64), torch.rand(n, lq, 4, 2), torch.randn(n, s, 64), shapes, start)
+
+    batch, queries = torch.export.Dim("batch"), torch.export.Dim("queries")
+    path = tmp_path / "layer.onnx"
+    export_onnx(layer, inputs(1, 30), str(path),
+                dynamic_shapes=({0: batch, 1: queries}, {0: batch, 1: queries}, {0: batch}, None, None))
+    default = _OpenVINOSession(_openvino_reduced(path))
+    right = _OpenVINOSession(compile_openvino(path))
+    for n, lq in ((2, 100), (3, 17)):
+        args = inputs(n, lq)
+        assert _all_nan(default, args)
+        with torch.no_grad():
+            _close(_run(right, args), layer(*args))
+
+
 def _outputs_close(session, detector, pixels):
     feeds = {session.get_inputs()[0].name: pixels.numpy()}
     with torch.no_grad():
@@ -287,6 +347,15 @@ def test_portable_export_of_a_whole_deformable_detr(tmp_path):
     for compiled in _openvino(path):
         for shape in [(2, 3, 160, 192), (3, 3, 128, 224)]:
             _outputs_close(_OpenVINOSession(compiled), detector, torch.randn(*shape, generator=g))
+    # Where the default is bf16: every output the operator reaches is NaN.
+    try:
+        default = _OpenVINOSession(_openvino_reduced(path))
+    except pytest.skip.Exception:
+        return
+    for shape in [(2, 3, 160, 192), (3, 3, 128, 224)]:
+        feeds = {default.get_inputs()[0].name: torch.randn(*shape, generator=g).numpy()}
+        outs = default.run(None, feeds)
+        assert np.isnan(outs[0]).all(), "the detector's first output (last_hidden_state)"
 
 
 def test_export_errors_name_what_and_why():
