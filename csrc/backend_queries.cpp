@@ -47,8 +47,8 @@ ForwardWishes forward_wishes(std::string_view backend) {
   return w;
 }
 
-ForwardPlan forward_plan(const ForwardProblem& p, Device device, std::string_view backend,
-                         const std::optional<DeviceInfo>& info) {
+ForwardPlan plan_forward_for(const ForwardProblem& p, Device device, std::string_view backend,
+                             const std::optional<DeviceInfo>& info) {
   if (!info && device.is_cpu()) {
     const std::string why = backend_reason(backend, p, device);
     MSDA_CHECK(why.empty(), "ms_deform_attn: backend '", backend, "' ", why);
@@ -59,6 +59,23 @@ ForwardPlan forward_plan(const ForwardProblem& p, Device device, std::string_vie
   const auto d = info ? info : device.is_cuda() ? cuda_device_info(device.index()) : std::nullopt;
   MSDA_CHECK(d.has_value(), "ms_deform_attn: ", no_kernel(device));
   return plan_forward(p, *d, forward_wishes(backend));
+}
+
+BackwardPlan plan_backward_for(const BackwardProblem& p, Device device, bool deterministic,
+                               std::string_view grad_value, const std::optional<DeviceInfo>& info) {
+  BackwardWishes w;
+  w.deterministic = deterministic;
+  w.request = grad_value == "auto" ? grad_value_override()
+                                   : parse_grad_value_request(std::string(grad_value));
+  DeviceInfo d;
+  if (info) {
+    d = *info;
+  } else if (device.is_cuda()) {
+    const auto found = cuda_device_info(device.index());
+    MSDA_CHECK(found.has_value(), "ms_deform_attn: ", no_kernel(device));
+    d = *found;
+  }
+  return plan_backward(p, d, w);
 }
 
 std::string backend_reason(std::string_view backend, const ForwardProblem& p, Device device) {

@@ -45,28 +45,23 @@ ForwardProblem checked_problem(const Tensor& value, const Tensor& spatial_shapes
   return forward_problem(c.pb, value.data_ptr(), fused);
 }
 
-std::string select(const Tensor& value, const Tensor& spatial_shapes,
-                   const Tensor& level_start_index, const Tensor& sampling_locations,
-                   const Tensor& attention_weights,
-                   const IntListOpt& spatial_shapes_list) {
-  const ForwardProblem p = checked_problem(value, spatial_shapes, level_start_index,
-                                           sampling_locations, attention_weights, "auto",
-                                           spatial_shapes_list);
-  return backend_name(forward_plan(p, value.device(), "auto").backend);
-}
-
-// The forward's plan for these inputs as "backend=... composite=... ..."
-// (plan/forward_plan.h), on value's device or on the one `device` describes.
-std::string forward_plan_text(const Tensor& value, const Tensor& spatial_shapes,
-                              const Tensor& level_start_index,
-                              const Tensor& sampling_locations,
-                              const Tensor& attention_weights,
-                              const IntListOpt& spatial_shapes_list, bool fused,
-                              std::string_view backend, const IntListOpt& device) {
+// The forward's plan for these inputs (plan/forward_plan.h), on value's
+// device or on the one `device` describes, through the operator's own path
+// (plan_forward_for: MS_DEFORM_ATTN_BACKEND overrides "auto"). The fields
+// as the schema names them.
+using ForwardPlanFields = std::tuple<std::string, bool, bool, int64_t, int64_t, int64_t, int64_t,
+                                     int64_t, int64_t, int64_t, int64_t, int64_t>;
+ForwardPlanFields forward_plan(const Tensor& value, const Tensor& spatial_shapes,
+                               const Tensor& level_start_index, const Tensor& sampling_locations,
+                               const Tensor& attention_weights,
+                               const IntListOpt& spatial_shapes_list, bool fused,
+                               std::string_view backend, const IntListOpt& device) {
   const ForwardProblem p = checked_problem(value, spatial_shapes, level_start_index,
                                            sampling_locations, attention_weights, backend,
                                            spatial_shapes_list, fused);
-  return to_string(forward_plan(p, value.device(), backend, described_device(device)));
+  const ForwardPlan f = plan_forward_for(p, value.device(), backend, described_device(device));
+  return {backend_name(f.backend), f.composite, f.copy_value, f.vec, f.lanes, f.threads,
+          f.split, f.blocks_per_head, f.blocks, f.resident, f.smem_budget, f.workspace};
 }
 
 std::string reason(const Tensor& value, const Tensor& spatial_shapes,
@@ -79,34 +74,31 @@ std::string reason(const Tensor& value, const Tensor& spatial_shapes,
   return backend_reason(backend, p, value.device());
 }
 
-// The plan the CUDA backward makes for these inputs (plan/backward_plan.h),
-// as "grad_value=... dots=... vec=... gather=... gather_vec=... composite=...".
-// The device is the one `device` describes, else value's CUDA device, else
-// an H100 (DeviceInfo's defaults); `sms` > 0 replaces its SM count.
-// grad_output is taken as contiguous and 32-byte aligned, as autograd hands
-// it over.
-std::string backward_path(const Tensor& value, const Tensor& spatial_shapes,
-                          const Tensor& level_start_index, const Tensor& sampling_locations,
-                          const Tensor& attention_weights, bool fused, bool deterministic,
-                          std::string_view grad_value, int64_t sms, const IntListOpt& device) {
+// The CUDA backward's plan for these inputs (plan/backward_plan.h) through
+// the backward's own path (plan_backward_for: grad_value "auto" takes
+// MS_DEFORM_ATTN_GRAD_VALUE), on the device `device` describes, else
+// value's CUDA device, else an H100 (DeviceInfo's defaults); `sms` > 0
+// replaces its SM count. grad_output is taken as contiguous and 32-byte
+// aligned, as autograd hands it over.
+using BackwardPlanFields = std::tuple<std::string, std::string, int64_t, std::string, int64_t, bool>;
+BackwardPlanFields backward_plan(const Tensor& value, const Tensor& spatial_shapes,
+                                 const Tensor& level_start_index,
+                                 const Tensor& sampling_locations,
+                                 const Tensor& attention_weights, bool fused, bool deterministic,
+                                 std::string_view grad_value, int64_t sms,
+                                 const IntListOpt& device) {
   const Checked c = check_inputs(value, spatial_shapes, level_start_index, sampling_locations,
                                  attention_weights, "auto", std::nullopt);
-  BackwardProblem p;
-  p.pb = c.pb;
-  p.fused = fused;
-  p.value_align = pointer_alignment(value.data_ptr());
+  BackwardProblem p = backward_problem(c.pb, value.data_ptr(), nullptr, fused);
   p.grad_out_align = 32;
-  DeviceInfo d;
-  if (auto described = described_device(device)) {
-    d = *described;
-  } else if (value.is_cuda()) {
-    if (auto info = cuda_device_info(value.get_device_index())) d = *info;
+  std::optional<DeviceInfo> d = described_device(device);
+  if (sms > 0) {
+    if (!d) d = value.is_cuda() ? cuda_device_info(value.get_device_index()) : DeviceInfo{};
+    if (d) d->sms = static_cast<int>(sms);
   }
-  if (sms > 0) d.sms = static_cast<int>(sms);
-  BackwardWishes w;
-  w.deterministic = deterministic;
-  w.request = parse_grad_value_request(std::string(grad_value));
-  return to_string(plan_backward(p, d, w));
+  const BackwardPlan b = plan_backward_for(p, value.device(), deterministic, grad_value, d);
+  return {grad_value_name(b.grad_value), dots_name(b.dots), b.vec, gather_name(b.gather),
+          b.gather_vec, b.composite};
 }
 
 // _linear's forward on every device: torch's linear. What differs from it is
@@ -176,25 +168,27 @@ STABLE_TORCH_LIBRARY(ms_deform_attn, m) {
   // Host-side queries: no tensors out, never traced.
   m.def("_available_backends(Device device) -> str[]");
   m.def(
-      "_select_backend(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
-      "Tensor sampling_locations, Tensor attention_weights, int[]? spatial_shapes_list=None) -> str");
-  m.def(
       "_backend_reason(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, str backend, "
       "int[]? spatial_shapes_list=None) -> str");
+  // The plans as structures, their fields named here (Python reads the
+  // names from the schema).
   m.def(
       "_select_forward_plan(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, int[]? spatial_shapes_list=None, "
-      "bool fused=False, str backend=\"auto\", int[]? device=None) -> str");
+      "bool fused=False, str backend=\"auto\", int[]? device=None) -> (str backend, "
+      "bool composite, bool copy_value, int vec, int lanes, int threads, int split, "
+      "int blocks_per_head, int blocks, int resident, int smem_budget, int workspace)");
   m.def("_built_with_cuda() -> bool");
   // TORCH_CUDA_ARCH_LIST of the build ("" without CUDA kernels), and the
   // error a device of compute capability major.minor gets ("" if it runs them).
   m.def("_cuda_archs() -> str");
   m.def("_kernel_image_error(str archs, int major, int minor, str device) -> str");
   m.def(
-      "_select_backward_path(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
+      "_select_backward_plan(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, bool fused=False, "
-      "bool deterministic=False, str grad_value=\"auto\", int sms=-1, int[]? device=None) -> str");
+      "bool deterministic=False, str grad_value=\"auto\", int sms=-1, int[]? device=None) -> "
+      "(str grad_value, str dots, int vec, str gather, int gather_vec, bool composite)");
 }
 
 // The host queries, for every device: CompositeExplicitAutograd kernels
@@ -203,13 +197,12 @@ STABLE_TORCH_LIBRARY(ms_deform_attn, m) {
 // (registration.cpp).
 STABLE_TORCH_LIBRARY_IMPL(ms_deform_attn, CompositeExplicitAutograd, m) {
   m.impl("_available_backends", TORCH_BOX(&msda::available_backends));
-  m.impl("_select_backend", TORCH_BOX(&msda::select));
   m.impl("_backend_reason", TORCH_BOX(&msda::reason));
-  m.impl("_select_forward_plan", TORCH_BOX(&msda::forward_plan_text));
+  m.impl("_select_forward_plan", TORCH_BOX(&msda::forward_plan));
   m.impl("_built_with_cuda", TORCH_BOX(&msda::built_with_cuda));
   m.impl("_cuda_archs", TORCH_BOX(&msda::cuda_archs));
   m.impl("_kernel_image_error", TORCH_BOX(&msda::image_error));
-  m.impl("_select_backward_path", TORCH_BOX(&msda::backward_path));
+  m.impl("_select_backward_plan", TORCH_BOX(&msda::backward_plan));
 }
 
 // The library's version (MS_DEFORM_ATTN_VERSION of its build), for the

@@ -18,7 +18,7 @@ library_path = _os.path.join(_here, "lib", "libms_deform_attn.so")
 
 from . import _ops  # noqa: F401,E402  (loads the extension, registers the fake kernels)
 from ._ops import (available_backends, backend_reason, cuda_archs, cuda_kernels_built,  # noqa: E402
-                   ms_deform_attn, ms_deform_attn_fused, select_backend, select_backward_path,
+                   ms_deform_attn, ms_deform_attn_fused, select_backend, select_backward_plan,
                    select_forward_plan)
 from . import compat, nn, reference  # noqa: E402
 
@@ -26,7 +26,7 @@ from . import compat, nn, reference  # noqa: E402
 # ms_deform_attn.onnx (export), ms_deform_attn.distributed (DTensor rules). ms_deform_attn.testing holds the canonical
 # workloads for the tests and benchmarks.
 __all__ = ["ms_deform_attn", "ms_deform_attn_fused", "available_backends", "select_backend",
-           "backend_reason", "select_forward_plan", "select_backward_path", "cuda_kernels_built", "cuda_archs", "nn", "compat",
+           "backend_reason", "select_forward_plan", "select_backward_plan", "cuda_kernels_built", "cuda_archs", "nn", "compat",
            "reference", "cmake_prefix_path", "include_path", "library_path"]
 __version__ = "0.1.0"
 

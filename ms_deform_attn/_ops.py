@@ -258,10 +258,8 @@ def select_backend(value, spatial_shapes, level_start_index, sampling_locations,
                    attention_weights, spatial_shapes_list=None) -> str:
     """The backend that backend="auto" resolves to for these inputs: the
     "backend" of select_forward_plan(), which gives the whole plan."""
-    return _lib._select_backend(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        _flat_shapes(spatial_shapes_list),
-    )
+    return select_forward_plan(value, spatial_shapes, level_start_index, sampling_locations,
+                               attention_weights, spatial_shapes_list=spatial_shapes_list)["backend"]
 
 
 def _device_list(device) -> Optional[List[int]]:
@@ -277,13 +275,11 @@ def _device_list(device) -> Optional[List[int]]:
     return [int(device[k]) for k in keys]
 
 
-def _parse_plan(text: str) -> Dict[str, object]:
-    plan: Dict[str, object] = {}
-    for item in text.split():
-        key, val = item.split("=")
-        plan[key] = (bool(int(val)) if key in ("composite", "copy_value")
-                     else int(val) if val.lstrip("-").isdigit() else val)
-    return plan
+def _plan(query, *args) -> Dict[str, object]:
+    """A planner query's answer as a dict, its fields named as the query's
+    schema names its returns (csrc/ops.cpp: one place)."""
+    names = [r.name for r in query.default._schema.returns]
+    return dict(zip(names, query(*args)))
 
 
 def select_forward_plan(value, spatial_shapes, level_start_index, sampling_locations,
@@ -304,9 +300,9 @@ def select_forward_plan(value, spatial_shapes, level_start_index, sampling_locat
     plan of ms_deform_attn_fused for the same sizes."""
     if backend == REFERENCE_BACKEND:
         return {"backend": REFERENCE_BACKEND}
-    return _parse_plan(_lib._select_forward_plan(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        _flat_shapes(spatial_shapes_list), fused, backend, _device_list(device)))
+    return _plan(_lib._select_forward_plan, value, spatial_shapes, level_start_index,
+                 sampling_locations, attention_weights, _flat_shapes(spatial_shapes_list), fused,
+                 backend, _device_list(device))
 
 
 def backend_reason(backend, value, spatial_shapes, level_start_index, sampling_locations,
@@ -321,23 +317,23 @@ def backend_reason(backend, value, spatial_shapes, level_start_index, sampling_l
     )
 
 
-def select_backward_path(value, spatial_shapes, level_start_index, sampling_locations,
+def select_backward_plan(value, spatial_shapes, level_start_index, sampling_locations,
                          attention_weights, *, fused: bool = False, deterministic: bool = False,
                          grad_value: str = "auto", sms: Optional[int] = None,
                          device=None) -> Dict[str, object]:
     """The plan the CUDA backward makes for these inputs
-    (csrc/plan/backward_plan.h): {"grad_value": "atomic" | "sorted" |
-    "local", "dots": "ffma" | "mma" | "mma_flat" | "mma_rows", "vec": int,
-    "gather": "none" | "pixels" | "tiles", "gather_vec": int, "composite":
-    bool}. `fused`: the backward of ms_deform_attn_fused; `grad_value`: a
-    path asked for ("auto", "atomic", "sorted", "local"; what
-    MS_DEFORM_ATTN_GRAD_VALUE asks of the operator). The device is the one
-    `device` describes (as for select_forward_plan), else value's CUDA
-    device, else an H100; `sms` replaces its SM count. grad_output is taken
-    as contiguous."""
-    return _parse_plan(_lib._select_backward_path(
-        value, spatial_shapes, level_start_index, sampling_locations, attention_weights, fused,
-        deterministic, grad_value, -1 if sms is None else int(sms), _device_list(device)))
+    (csrc/plan/backward_plan.h), through the backward's own path:
+    {"grad_value": "atomic" | "sorted" | "local", "dots": "ffma" | "mma" |
+    "mma_flat" | "mma_rows", "vec": int, "gather": "none" | "pixels" |
+    "tiles", "gather_vec": int, "composite": bool}. `fused`: the backward of
+    ms_deform_attn_fused; `grad_value`: a path asked for ("atomic",
+    "sorted", "local"), or "auto", which takes MS_DEFORM_ATTN_GRAD_VALUE as
+    the backward does. The device is the one `device` describes (as for
+    select_forward_plan), else value's CUDA device, else an H100; `sms`
+    replaces its SM count. grad_output is taken as contiguous."""
+    return _plan(_lib._select_backward_plan, value, spatial_shapes, level_start_index,
+                 sampling_locations, attention_weights, fused, deterministic, grad_value,
+                 -1 if sms is None else int(sms), _device_list(device))
 
 
 # ---- fake (meta) kernels -----------------------------------------------------

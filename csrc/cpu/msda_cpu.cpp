@@ -20,7 +20,8 @@ Tensor forward_cpu(const Tensor& value, const Tensor& spatial_shapes,
                                      sampling_locations, attention_weights, backend,
                                      spatial_shapes_list);
   // Raises where the backend cannot run.
-  forward_plan(forward_problem(in.pb, in.value.data_ptr(), /*fused=*/false), in.device, backend);
+  plan_forward_for(forward_problem(in.pb, in.value.data_ptr(), /*fused=*/false), in.device,
+                   backend);
   const auto& pb = in.pb;
   auto out = new_output({pb.N, pb.Lq, pb.M * pb.D}, in.value_dtype, in.device);
   const int64_t groups = pb.N * pb.Lq * pb.M;

@@ -63,11 +63,6 @@ cudaError_t launch(const ForwardParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
-// The forward's plan for the prepared inputs on value's device.
-ForwardPlan plan_for(const Prepared& in, bool fused, std::string_view backend) {
-  return forward_plan(forward_problem(in.pb, in.value.data_ptr(), fused), in.device,
-                      backend);
-}
 
 // Allocates the output and launches the plan's kernel on the prepared
 // inputs; with `ref` set (ms_deform_attn_fused, plan not composite) loc and
@@ -109,7 +104,9 @@ Tensor forward_cuda(const Tensor& value, const Tensor& spatial_shapes,
                                attention_weights, backend, spatial_shapes_list);
   const cuda::DeviceGuard guard(in.device.index());
   require_kernel_image(in.device.index());
-  return launch_forward(in, plan_for(in, /*fused=*/false, backend));
+  return launch_forward(
+      in, plan_forward_for(forward_problem(in.pb, in.value.data_ptr(), /*fused=*/false),
+                           in.device, backend));
 }
 
 // The fused operator's inputs as the kernels take them: offsets and logits
@@ -160,7 +157,8 @@ Tensor fused_forward_cuda(const Tensor& value, const Tensor& spatial_shapes,
   FusedPrepared f = prepare_fused(s, value, spatial_shapes, level_start_index, reference_points,
                                   sampling_offsets, attention_logits, backend, spatial_shapes_list);
   const cuda::DeviceGuard guard(f.in.device.index());
-  const ForwardPlan plan = plan_for(f.in, /*fused=*/true, backend);
+  const ForwardPlan plan = plan_forward_for(
+      forward_problem(f.in.pb, f.in.value.data_ptr(), /*fused=*/true), f.in.device, backend);
   if (plan.composite) return composite();
   require_kernel_image(f.in.device.index());
   return launch_forward(f.in, plan, data_as<float>(f.ref), s.boxes ? 4 : 2);
@@ -194,7 +192,8 @@ std::tuple<Tensor, Tensor, Tensor> backward_cuda(
   BackwardParams p = backward_params(in, grad_output, gout);
   p.grad_loc = grad_loc.data_ptr();
   p.grad_attn = grad_attn.data_ptr();
-  p.plan = cuda::plan_for(p, /*fused=*/false, deterministic);
+  p.plan = plan_backward_for(backward_problem(in.pb, p.value, p.grad_out, /*fused=*/false), dev,
+                             deterministic);
   Tensor grad_value = cuda::run_backward(p, in, cuda::current_stream(dev.index()));
   return {grad_value, to(grad_loc, in.loc_dtype_in), to(grad_attn, in.attn_dtype_in)};
 }
@@ -225,7 +224,8 @@ std::tuple<Tensor, Tensor, Tensor> fused_backward_cuda(
   const auto& pb = in.pb;
   std::optional<Tensor> gout;
   BackwardParams p = backward_params(in, grad_output, gout);
-  p.plan = cuda::plan_for(p, /*fused=*/true, deterministic);
+  p.plan = plan_backward_for(backward_problem(pb, p.value, p.grad_out, /*fused=*/true), dev,
+                             deterministic);
   if (p.plan.composite) return composite();
   const ScalarType grads = p.plan.dots != DotsKernel::ffma ? in.loc_dtype : kFloat;
   auto grad_off = new_output(in.loc.sizes(), grads, dev);

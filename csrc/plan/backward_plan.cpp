@@ -136,15 +136,19 @@ BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const 
   return plan;
 }
 
-std::string to_string(const BackwardPlan& plan) {
-  static const char* paths[] = {"atomic", "sorted", "local"};
-  static const char* dots[] = {"ffma", "mma", "mma_flat", "mma_rows"};
-  static const char* gathers[] = {"none", "pixels", "tiles"};
-  std::ostringstream os;
-  os << "grad_value=" << paths[int(plan.grad_value)] << " dots=" << dots[int(plan.dots)]
-     << " vec=" << plan.vec << " gather=" << gathers[int(plan.gather)]
-     << " gather_vec=" << plan.gather_vec << " composite=" << int(plan.composite);
-  return os.str();
+const char* grad_value_name(GradValuePath path) {
+  static const char* names[] = {"atomic", "sorted", "local"};
+  return names[int(path)];
+}
+
+const char* dots_name(DotsKernel dots) {
+  static const char* names[] = {"ffma", "mma", "mma_flat", "mma_rows"};
+  return names[int(dots)];
+}
+
+const char* gather_name(GatherKernel gather) {
+  static const char* names[] = {"none", "pixels", "tiles"};
+  return names[int(gather)];
 }
 
 }  // namespace msda

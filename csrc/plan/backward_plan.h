@@ -3,8 +3,9 @@
 // on CUDA, and whether the fused operator falls back to its ATen composite.
 // A pure function of the problem, the device (DeviceInfo) and the caller's
 // wishes; the CUDA launchers (cuda/msda_cuda.cpp, cuda/backward/) take its
-// plan and test nothing else, and ms_deform_attn.select_backward_path shows
-// it. docs/backward.md explains each path and why it wins where it is chosen.
+// plan and test nothing else, and ms_deform_attn.select_backward_plan shows
+// it (both through plan_backward_for, backend_queries.h). docs/backward.md
+// explains each path and why it wins where it is chosen.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +31,18 @@ struct BackwardProblem {
   int grad_out_align = 16; // (the largest power of two dividing the address, at most 32)
 };
 
+// The problem of validated inputs pb whose value's and grad_output's data
+// are at `value` and `grad_out`.
+inline BackwardProblem backward_problem(const Problem& pb, const void* value, const void* grad_out,
+                                        bool fused) {
+  BackwardProblem p;
+  p.pb = pb;
+  p.fused = fused;
+  p.value_align = pointer_alignment(value);
+  p.grad_out_align = pointer_alignment(grad_out);
+  return p;
+}
+
 struct BackwardWishes {
   bool deterministic = false;
   GradValueRequest request = GradValueRequest::automatic;
@@ -48,7 +61,9 @@ bool mma_dots_ok(const BackwardProblem& p);
 // D a multiple of 16 bytes, 16-byte aligned grad_output, its 32-bit index
 // ranges, and the kernel's shared memory on the device.
 bool local_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d);
-// "grad_value=local dots=mma vec=8 gather=none gather_vec=1 composite=0".
-std::string to_string(const BackwardPlan& plan);
+// The names of the plan's choices, as the queries give them.
+const char* grad_value_name(GradValuePath path);
+const char* dots_name(DotsKernel dots);
+const char* gather_name(GatherKernel gather);
 
 }  // namespace msda

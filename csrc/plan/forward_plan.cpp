@@ -274,15 +274,4 @@ ForwardPlan plan_forward(const ForwardProblem& p, const DeviceInfo& d, const For
   return plan;
 }
 
-std::string to_string(const ForwardPlan& plan) {
-  std::ostringstream os;
-  os << "backend=" << backend_name(plan.backend) << " composite=" << int(plan.composite)
-     << " copy_value=" << int(plan.copy_value) << " vec=" << plan.vec << " lanes=" << plan.lanes
-     << " threads=" << plan.threads << " split=" << plan.split
-     << " blocks_per_head=" << plan.blocks_per_head << " blocks=" << plan.blocks
-     << " resident=" << plan.resident << " smem_budget=" << plan.smem_budget
-     << " workspace=" << plan.workspace;
-  return os.str();
-}
-
 }  // namespace msda

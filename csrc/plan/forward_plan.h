@@ -5,8 +5,9 @@
 // fused operator takes its ATen composite). A pure function of the problem,
 // a DeviceInfo and the caller's wishes; the CUDA launchers take its plan
 // (ForwardPlan, params.h) and test nothing else, and
-// ms_deform_attn.select_forward_plan shows it. docs/backends.md explains
-// each backend and why auto picks what it picks.
+// ms_deform_attn.select_forward_plan shows it (both through
+// plan_forward_for, backend_queries.h). docs/backends.md explains each
+// backend and why auto picks what it picks.
 #pragma once
 
 
@@ -64,8 +65,6 @@ std::string auto_backend(const ForwardProblem& p, const DeviceInfo& d);
 // reason, when the backend asked for cannot run p there.
 ForwardPlan plan_forward(const ForwardProblem& p, const DeviceInfo& d, const ForwardWishes& w);
 
-// "backend=blocked composite=0 copy_value=0 vec=4 lanes=8 threads=256 split=0
-// blocks_per_head=32 blocks=... resident=4 smem_budget=0 workspace=0".
-std::string to_string(const ForwardPlan& plan);
+
 
 }  // namespace msda

@@ -43,8 +43,8 @@ def test_the_default_device_of_the_planners_is_testing_h100():
             value, shapes, start, loc, attn = W.make_inputs(wl.scaled(1), dtype, device="meta")
             args = (value, shapes, start, loc, attn)
             for det in (False, True):
-                assert (msda.select_backward_path(*args, deterministic=det)
-                        == msda.select_backward_path(*args, deterministic=det,
+                assert (msda.select_backward_plan(*args, deterministic=det)
+                        == msda.select_backward_plan(*args, deterministic=det,
                                                      device=W.DEVICES["H100"])), (name, dtype)
 
 

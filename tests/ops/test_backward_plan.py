@@ -1,5 +1,5 @@
 """The backward's policy as a table: problems and the plan the planner
-(csrc/plan/backward_plan.cpp, through ms_deform_attn.select_backward_path) makes
+(csrc/plan/backward_plan.cpp, through ms_deform_attn.select_backward_plan) makes
 for them on a 132-SM device on which every kernel fits. Runs on the CPU: the
 planner is a pure function of the problem's sizes, dtypes and alignments.
 docs/backward.md explains each row's reason."""
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
+from ms_deform_attn import testing as W
 from helpers import planner_problem as problem
 
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -82,22 +83,47 @@ TABLE = [
 
 @pytest.mark.parametrize("args,wishes,expected", [t[1:] for t in TABLE], ids=[t[0] for t in TABLE])
 def test_plan(args, wishes, expected):
-    assert msda.select_backward_path(*problem(*args), sms=132, **wishes) == expected
+    assert msda.select_backward_plan(*problem(*args), sms=132, **wishes) == expected
 
 
 def test_plan_depends_on_the_device():
     """The flat slot sequence pays only with enough tasks a resident warp."""
     inputs = problem("m2f_enc", "bf16")
-    assert msda.select_backward_path(*inputs, sms=132)["dots"] == "mma_flat"
-    assert msda.select_backward_path(*inputs, sms=1000)["dots"] == "mma"
+    assert msda.select_backward_plan(*inputs, sms=132)["dots"] == "mma_flat"
+    assert msda.select_backward_plan(*inputs, sms=1000)["dots"] == "mma"
 
 
 def test_plan_rejects_unknown_requests():
     with pytest.raises(RuntimeError, match="unknown grad_value path 'fast'"):
-        msda.select_backward_path(*problem("ddetr_dec", "bf16"), grad_value="fast")
+        msda.select_backward_plan(*problem("ddetr_dec", "bf16"), grad_value="fast")
 
 
 def test_plan_validates_inputs():
     value, shapes, start, loc, attn = problem("ddetr_dec", "bf16")
     with pytest.raises(RuntimeError, match="sampling_locations"):
-        msda.select_backward_path(value, shapes, start, loc[..., :1], attn)
+        msda.select_backward_plan(value, shapes, start, loc[..., :1], attn)
+
+
+def test_the_query_takes_the_backwards_path(monkeypatch):
+    """The query plans through the backward's own path: grad_value "auto"
+    takes MS_DEFORM_ATTN_GRAD_VALUE as the backward does (the forward's
+    query takes MS_DEFORM_ATTN_BACKEND alike); an explicit path wins."""
+    inputs = problem("ddetr_dec", "bf16")
+    assert msda.select_backward_plan(*inputs, deterministic=True)["grad_value"] == "local"
+    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "sorted")
+    assert msda.select_backward_plan(*inputs, deterministic=True)["grad_value"] == "sorted"
+    assert msda.select_backward_plan(*inputs, deterministic=True,
+                                     grad_value="local")["grad_value"] == "local"
+    monkeypatch.setenv("MS_DEFORM_ATTN_BACKEND", "baseline")
+    assert msda.select_forward_plan(*inputs, device=W.DEVICES["H100"])["backend"] == "baseline"
+
+
+def test_plans_are_structures():
+    """Both plans come back as typed fields named by the queries' schemas."""
+    inputs = problem("ddetr_enc", "bf16")
+    fwd = msda.select_forward_plan(*inputs, device=W.DEVICES["H100"])
+    bwd = msda.select_backward_plan(*inputs)
+    assert isinstance(fwd["backend"], str) and isinstance(fwd["composite"], bool)
+    assert all(isinstance(fwd[k], int) for k in ("vec", "lanes", "threads", "blocks"))
+    assert list(bwd) == ["grad_value", "dots", "vec", "gather", "gather_vec", "composite"]
+    assert isinstance(bwd["composite"], bool) and isinstance(bwd["vec"], int)

@@ -168,18 +168,18 @@ def test_the_backward_planner_takes_the_same_device():
     """One device description for both planners: the flat slot sequence
     pays only with enough tasks a resident warp (an SM count of 1000)."""
     inputs = problem("m2f_enc", "bf16")
-    assert msda.select_backward_path(*inputs, device=DEV["H200"])["dots"] == "mma_flat"
-    assert msda.select_backward_path(*inputs, device=dict(DEV["H200"], sms=1000))["dots"] == "mma"
+    assert msda.select_backward_plan(*inputs, device=DEV["H200"])["dots"] == "mma_flat"
+    assert msda.select_backward_plan(*inputs, device=dict(DEV["H200"], sms=1000))["dots"] == "mma"
     # The block-local grad_value needs 32 KB a block (Lq P <= 4096), 48 KB
     # beyond: every listed device has both. Without them a 16-bit decoder
     # takes the global sort where it is dense enough to pay (S / 3 <= Lq L P:
     # DINO's with its denoising queries), else atomics.
     def path(workload, smem_optin=None):
         dev = DEV["T4"] if smem_optin is None else dict(DEV["T4"], smem_optin=smem_optin)
-        return msda.select_backward_path(*problem(workload, "bf16"), device=dev)["grad_value"]
+        return msda.select_backward_plan(*problem(workload, "bf16"), device=dev)["grad_value"]
 
     for dev in DEV.values():
         for workload in ("ddetr_dec", "dino_dec_dn"):
-            assert msda.select_backward_path(*problem(workload, "bf16"), device=dev)["grad_value"] == "local"
+            assert msda.select_backward_plan(*problem(workload, "bf16"), device=dev)["grad_value"] == "local"
     assert path("ddetr_dec", 40 * 1024) == "local" and path("dino_dec_dn", 40 * 1024) == "sorted"
     assert path("ddetr_dec", 24 * 1024) == "atomic"

@@ -107,7 +107,7 @@ def test_local_grad_value_16_bit_locations(monkeypatch, dtype):
                          device="cuda", seed=6)
     inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
     grad = torch.randn(2, 300, 8 * 32, dtype=dtype, device="cuda")
-    plan = msda.select_backward_path(*[t.detach() for t in inputs], deterministic=True)
+    plan = msda.select_backward_plan(*[t.detach() for t in inputs], deterministic=True)
     assert plan["grad_value"] == "local", plan
     local_checked(monkeypatch, inputs, grad, dtype)
 
@@ -159,7 +159,7 @@ def test_local_grad_value_fused(monkeypatch, boxes, dtype, off_dtype):
                                         spatial_shapes_list=shapes)
         return torch.autograd.grad(out, (value, off, logits), grad)
 
-    plan = msda.select_backward_path(value.detach(), levels, start, off.detach(), logits.detach().view(
+    plan = msda.select_backward_plan(value.detach(), levels, start, off.detach(), logits.detach().view(
         n, lq, m, len(shapes), p), fused=True, deterministic=True)
     assert plan["grad_value"] == "local", plan
     local, sorted_ = fused_grads("local"), fused_grads("sorted")

@@ -90,20 +90,6 @@ Tensor run_sorted_path(BackwardParams& p, const Prepared& in, cudaStream_t strea
 
 }  // namespace
 
-BackwardPlan plan_for(const BackwardParams& p, bool fused, bool deterministic) {
-  BackwardProblem bp;
-  bp.pb = p.pb;
-  bp.fused = fused;
-  bp.value_align = pointer_alignment(p.value);
-  bp.grad_out_align = pointer_alignment(p.grad_out);
-  BackwardWishes w;
-  w.deterministic = deterministic;
-  w.request = grad_value_override();
-  DeviceInfo d;
-  MSDA_CUDA_CHECK(device_info(-1, d));
-  return plan_backward(bp, d, w);
-}
-
 Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream) {
   p.vec = p.plan.vec;
   if (p.plan.grad_value == GradValuePath::atomic) return run_atomic_path(p, in, stream);

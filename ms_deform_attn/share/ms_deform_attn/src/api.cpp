@@ -11,8 +11,11 @@
 namespace ms_deform_attn {
 namespace {
 
-using QuerySig = std::string(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, at::OptionalIntArrayRef);
+// _select_forward_plan: the plan's fields, the backend first (ops.cpp).
+using PlanSig = std::tuple<std::string, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, int64_t>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, at::OptionalIntArrayRef, bool, c10::string_view, at::OptionalIntArrayRef);
 using ReasonSig = std::string(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, c10::string_view,
                               at::OptionalIntArrayRef);
@@ -70,10 +73,11 @@ std::string select_backend(const at::Tensor& value, const at::Tensor& spatial_sh
                            const at::Tensor& sampling_locations,
                            const at::Tensor& attention_weights,
                            at::OptionalIntArrayRef spatial_shapes_list) {
-  static const auto op = msda::typed_op<QuerySig>("ms_deform_attn::_select_backend");
+  static const auto op = msda::typed_op<PlanSig>("ms_deform_attn::_select_forward_plan");
   return c10_errors([&] {
-    return op.call(value, spatial_shapes, level_start_index, sampling_locations,
-                   attention_weights, spatial_shapes_list);
+    return std::get<0>(op.call(value, spatial_shapes, level_start_index, sampling_locations,
+                               attention_weights, spatial_shapes_list, false, "auto",
+                               std::nullopt));
   });
 }
 
