@@ -237,7 +237,9 @@ def render(result: Dict, chart: str = "benchmarks/results/bench.png",
         "Nothing here is written by hand.",
         "",
         device,
-        f"- date: {env['date']}, commit: `{env['commit']}`",
+        f"- date: {env['date']}, commit: `{env['commit']}`"
+        + (f", in {env['parts']} parts on that machine (`--resume`)" if env.get("parts", 1) > 1
+           else ""),
         f"- memory copy rate measured in the same run: "
         f"{env['copy_bandwidth_GBps']:.0f} GB/s (floors below use it)",
         times

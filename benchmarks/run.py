@@ -25,7 +25,7 @@ import os
 import platform
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -77,6 +77,10 @@ def parse_args(argv=None):
                          "included); both: the first in time_us, the second beside it "
                          "(torch_us, torch_iqr_us), and a benchmark.Compare table")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run whose bench.json is in --out: the (workload, dtype) "
+                         "pairs it holds are kept, not timed again (a --full run with the peers "
+                         "outlasts one device call; bench.json is written after every pair)")
     return ap.parse_args(argv)
 
 
@@ -164,9 +168,16 @@ def measure(args) -> Dict:
         names = args.backends.split(",")
     impls, notes = implementations(device, names)
 
-    copy_bw = copy_bandwidth(device)
-    env = environment(device, copy_bw)
-    rows: List[Dict] = []
+    previous = _previous_run(args) if args.resume else None
+    if previous is not None:
+        env, notes, rows = previous["env"], previous["notes"] + notes, previous["rows"]
+        copy_bw = env["copy_bandwidth_GBps"] * 1e9
+        env["parts"] = env.get("parts", 1) + 1
+    else:
+        copy_bw = copy_bandwidth(device)
+        env = environment(device, copy_bw)
+        rows = []
+    done = {(r["workload"], r["dtype"]) for r in rows}
     try:
         from tqdm import tqdm
     except ImportError:  # progress bar is optional
@@ -175,11 +186,14 @@ def measure(args) -> Dict:
     combos = [(wl, d) for wl in workloads for d in dtypes]
     bar = tqdm(combos, desc="bench", file=sys.stderr, disable=not sys.stderr.isatty())
     for wl, dname in bar:
+        if (wl.name, dname) in done:
+            continue
         dtype, loc_dtype = DTYPES[dname]
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(f"{wl.name} {dname}")
         rows.extend(bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw,
                               args, notes))
+        _checkpoint(args, {"env": env, "notes": notes, "rows": rows})
     env["timer"] = args.timer
     busy = [r for r in rows if r.get("spread_us", 0) > BUSY_SPREAD * r["time_us"]]
     if busy:
@@ -192,6 +206,31 @@ def measure(args) -> Dict:
         print(f"warning: {notes[-1]}", file=sys.stderr)
     return {"env": env, "notes": notes, "rows": rows}
 
+
+
+def _previous_run(args) -> Optional[Dict]:
+    """The run to continue (--resume): bench.json in --out, which must be of
+    this device and commit (a run is one build on one device)."""
+    path = os.path.join(args.out, "bench.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        previous = json.load(f)
+    env = previous["env"]
+    here = torch.cuda.get_device_name() if env.get("device") == "cuda" else env.get("device_name")
+    if env.get("device_name") != here or env.get("commit") != git_commit():
+        sys.exit(f"--resume: {path} is of {env.get('device_name')} at {env.get('commit')}, this is "
+                 f"{here} at {git_commit()}; a run continues only on its own device and commit")
+    return previous
+
+
+def _checkpoint(args, result: Dict) -> None:
+    """bench.json as it stands, so that a run cut short can be resumed."""
+    os.makedirs(args.out, exist_ok=True)
+    tmp = os.path.join(args.out, "bench.json.part")
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, os.path.join(args.out, "bench.json"))
 
 
 # torch.utils.benchmark Measurements of the run (--timer torch / both), for

@@ -290,3 +290,21 @@ def test_the_report_of_a_cpu_run_says_what_it_measured(tmp_path, monkeypatch):
     assert "python -m benchmarks.report results/bench.json" in text
     assert "the CPU" in text and "scaled down" in text and "(results/bench.png)" in text
     assert "SMs" not in text and "CUDA graph" not in text
+
+
+def test_a_run_resumes_where_it_stopped(tmp_path):
+    """--resume keeps the (workload, dtype) pairs bench.json already holds
+    (written after every pair) and times only the rest, into one result."""
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks.run import main
+
+    common = ["--device", "cpu", "--scale", "8", "--target-ms", "1", "--backends", "cpu",
+              "--no-plot", "--out", str(tmp_path)]
+    assert main(["--workloads", "ddetr_dec", "--dtypes", "fp32"] + common) == 0
+    first = json.loads((tmp_path / "bench.json").read_text())
+    assert main(["--workloads", "ddetr_dec,m2f_enc", "--dtypes", "fp32", "--resume"] + common) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["env"]["parts"] == 2 and result["env"]["date"] == first["env"]["date"]
+    pairs = [(r["workload"], r["pass_"]) for r in result["rows"]]
+    assert pairs.count(("ddetr_dec/8", "fwd")) == 1 and ("m2f_enc/8", "fwd") in pairs
+    assert result["rows"][:len(first["rows"])] == first["rows"]
