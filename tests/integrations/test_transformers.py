@@ -234,11 +234,9 @@ def _attention_outputs(res):
     return found
 
 
-@pytest.mark.parametrize("name", list(HF_MODELS))
-def test_transformers_swap_attentions_carry_gradients(name, monkeypatch):
-    """The attention weights a swapped model returns (output_attentions)
-    are in the graph exactly where transformers' own are: retain_grad works
-    on them and a loss on them gives transformers' own parameter gradients."""
+def _own_and_swapped(name, monkeypatch):
+    """transformers' own small model of `name`, a swapped copy, inputs and the
+    output's name (Mask2Former's module-level function restored after)."""
     import copy
 
     from ms_deform_attn.hf import swap_msda
@@ -253,6 +251,15 @@ def test_transformers_swap_attentions_carry_gradients(name, monkeypatch):
     assert swap_msda(swapped) == sites
     inputs = {"pixel_values": torch.randn(2, 3, h, w)}
     inputs.update(extra("cpu") if extra else {})
+    return own, swapped, inputs, output
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_transformers_swap_attentions_carry_gradients(name, monkeypatch):
+    """The attention weights a swapped model returns (output_attentions)
+    are in the graph exactly where transformers' own are: retain_grad works
+    on them and a loss on them gives transformers' own parameter gradients."""
+    own, swapped, inputs, output = _own_and_swapped(name, monkeypatch)
     found = []
     for model in (own, swapped):
         attentions = _attention_outputs(model(**inputs, output_attentions=True))
@@ -284,20 +291,7 @@ def test_transformers_swap_retains_grad_of_attentions_from_the_output(name, monk
     output_attentions are the ones the output was computed from, so a
     backward from one output element reaches every one of them that
     transformers' own model reaches."""
-    import copy
-
-    from ms_deform_attn.hf import swap_msda
-
-    factory, (h, w), extra, output, sites = HF_MODELS[name]
-    own = factory("cpu")
-    if name == "mask2former":
-        from transformers.models.mask2former import modeling_mask2former as m2f
-        monkeypatch.setattr(m2f, "multi_scale_deformable_attention",
-                            m2f.multi_scale_deformable_attention)
-    swapped = copy.deepcopy(own)
-    assert swap_msda(swapped) == sites
-    inputs = {"pixel_values": torch.randn(2, 3, h, w)}
-    inputs.update(extra("cpu") if extra else {})
+    own, swapped, inputs, output = _own_and_swapped(name, monkeypatch)
     reached = []
     for model in (own, swapped):
         res = model(**inputs, output_attentions=True, output_hidden_states=True)
