@@ -75,4 +75,5 @@ aoti: build
 	./build-aoti-cpp/aoti_detector build-aoti/model.pt2 build-aoti/io.pt
 
 clean:
-	rm -rf build build-cpp build-aoti build-aoti-cpp dist ms_deform_attn/*.so ms_deform_attn/lib ms_deform_attn/_build_info.py *.egg-info
+	rm -rf build build-cpp build-aoti build-aoti-cpp dist ms_deform_attn/*.so ms_deform_attn/lib ms_deform_attn/_build_info.py *.egg-info \
+	  ms_deform_attn/include ms_deform_attn/share/ms_deform_attn

@@ -7,9 +7,10 @@ Three shared objects, all inside the package:
       later one; no Python;
   ms_deform_attn/lib/torch<major>_<minor>/libms_deform_attn_torch.so  the
       version-bound layer over it (autograd, autocast, the public C++ API)
-      for the torch of this build, from the sources in
-      ms_deform_attn/share/ms_deform_attn/src, which the CMake package builds
-      into C++ programs instead (share/cmake). Under another torch release
+      for the torch of this build, from the sources in csrc/layer, which the
+      build copies into the package (share/ms_deform_attn/src, beside the
+      public headers of csrc/include in include/) for the CMake package to
+      build into C++ programs instead (share/cmake). Under another torch release
       the package registers autograd and autocast from Python instead
       (ms_deform_attn/_layer.py);
   ms_deform_attn/_C...so  the Python extension module: empty, links the
@@ -177,8 +178,17 @@ LIB = "ms_deform_attn.lib.libms_deform_attn"  # built as ms_deform_attn/lib/libm
 # ms_deform_attn/lib/torch<major>_<minor>/libms_deform_attn_torch.so
 TORCH_RELEASE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
 LAYER = "ms_deform_attn.lib.torch%d_%d.libms_deform_attn_torch" % TORCH_RELEASE
-LAYER_SOURCES = os.path.join("ms_deform_attn", "share", "ms_deform_attn", "src")
+LAYER_SOURCES = os.path.join("csrc", "layer")
+PUBLIC_HEADERS = os.path.join(ROOT, "csrc", "include")  # ms_deform_attn/*.h
 GENERATED = os.path.join(ROOT, "build", "generated")  # ms_deform_attn_build.h
+# Where the package carries the C++ sources for C++ programs (its CMake
+# package builds the layer from them): copies of csrc/'s, made by the build.
+PACKAGED_SOURCES = {
+    os.path.join(PUBLIC_HEADERS, "ms_deform_attn"): os.path.join(ROOT, "ms_deform_attn", "include",
+                                                                 "ms_deform_attn"),
+    os.path.join(ROOT, LAYER_SOURCES): os.path.join(ROOT, "ms_deform_attn", "share", "ms_deform_attn",
+                                                    "src"),
+}
 
 
 def torch_requirement():
@@ -209,6 +219,24 @@ def write_build_info(cuda: bool):
                 f.write(text)
 
 
+def package_cpp_sources():
+    """Copies the public headers and the layer's sources from csrc/ into the
+    package (PACKAGED_SOURCES), where the CMake package and the wheel find
+    them; a copy that is already the same is left alone (its timestamp too)."""
+    for src, dst in PACKAGED_SOURCES.items():
+        os.makedirs(dst, exist_ok=True)
+        names = set(os.listdir(src))
+        for stale in set(os.listdir(dst)) - names:
+            os.remove(os.path.join(dst, stale))
+        for name in sorted(names):
+            a, b = os.path.join(src, name), os.path.join(dst, name)
+            with open(a, "rb") as f:
+                text = f.read()
+            if not os.path.exists(b) or open(b, "rb").read() != text:
+                with open(b, "wb") as f:
+                    f.write(text)
+
+
 def torch_rpath():
     """The run path to LibTorch's libraries (libc10, libtorch_cpu, ...): the
     torch package beside this one (site-packages/torch/lib), or where the
@@ -237,13 +265,12 @@ def library():
     # it was built with lives: a C++ program's own run path does not reach
     # this library's dependencies.
     link = ["-Wl,-soname,libms_deform_attn.so", torch_rpath()]
-    # share/.../src: library_kernels.h, the interface the layer registers.
-    include_dirs = [os.path.join(ROOT, "ms_deform_attn", "include"), GENERATED,
-                    os.path.join(ROOT, LAYER_SOURCES)]
+    include_dirs = [PUBLIC_HEADERS, GENERATED]
     cuda = want_cuda()
     if cuda and not torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
     write_build_info(cuda)
+    package_cpp_sources()
     if not cuda:
         ext = CppExtension(LIB, sources, include_dirs=include_dirs, extra_link_args=link,
                            extra_compile_args={"cxx": cxx})
@@ -269,7 +296,7 @@ def torch_layer():
     (rpath $ORIGIN/..)."""
     ext = CppExtension(LAYER, sorted(os.path.relpath(p, ROOT) for p in
                                      glob.glob(os.path.join(ROOT, LAYER_SOURCES, "*.cpp"))),
-                       include_dirs=[os.path.join(ROOT, "ms_deform_attn", "include")],
+                       include_dirs=[PUBLIC_HEADERS],
                        libraries=["ms_deform_attn"],
                        extra_link_args=["-Wl,-soname,libms_deform_attn_torch.so",
                                         "-Wl,--no-as-needed", "-Wl,-rpath,$ORIGIN/..",

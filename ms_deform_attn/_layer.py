@@ -8,7 +8,8 @@ come from one of two places:
 
 - the C++ layer built for this torch release
   (lib/torch<major>_<minor>/libms_deform_attn_torch.so, from
-  share/ms_deform_attn/src: the same code LibTorch programs build), when
+  csrc/layer, shipped in share/ms_deform_attn/src: the same code LibTorch
+  programs build), when
   this build carries one: the fast path (kernels registered unboxed);
 - else the library's kernels registered through the stable ABI (boxed,
   _C.register_boxed_kernels) and the Python registrations below

@@ -94,3 +94,30 @@ def test_docs_stay_in_proportion():
     for name, most in limits.items():
         lines = (root / name).read_text().count("\n")
         assert lines <= most, f"{name}: {lines} lines, at most {most}"
+
+
+def test_the_cpp_sources_live_under_csrc():
+    """The import graph puts the package above the library: no C++ source
+    under csrc/ includes anything from the Python package's folder (the
+    package carries copies of csrc/include and csrc/layer, made by the
+    build), and every quoted include resolves inside csrc/."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    csrc = root / "csrc"
+    if not csrc.exists():
+        pytest.skip("csrc/ is the checkout's: run from the checkout")
+    search = [csrc / "include"]
+    outside = []
+    for f in sorted(csrc.rglob("*")):
+        if f.suffix not in (".h", ".cpp", ".cu", ".cuh"):
+            continue
+        for inc in re.findall(r'^\s*#include "([^"]+)"', f.read_text(), re.M):
+            if inc == "ms_deform_attn_build.h":  # written by setup.py into build/generated
+                continue
+            found = [p.resolve() for p in [f.parent / inc] + [d / inc for d in search]
+                     if p.exists()]
+            if not found or any(csrc.resolve() not in p.parents for p in found):
+                outside.append(f"{f.relative_to(root)}: {inc}")
+    assert not outside, outside
