@@ -249,14 +249,18 @@ def torch_rpath():
 def library():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT)
                                  for p in glob.glob(os.path.join(ROOT, pattern), recursive=True))
-    sources = rel("csrc/*.cpp") + rel("csrc/plan/*.cpp") + rel("csrc/cpu/*.cpp")
-    # LibTorch's stable ABI only (csrc/tensor.h), as of the oldest release it
+    # csrc/ by role: binding (torch's vocabulary, registration), operator
+    # (schemas, validation, queries), composite (the fused operator's), plan
+    # (the policies), cpu; cuda/ below; core/ holds headers only.
+    sources = [p for d in ("binding", "operator", "composite", "plan", "cpu")
+               for p in rel(f"csrc/{d}/*.cpp")]
+    # LibTorch's stable ABI only (csrc/binding/tensor.h), as of the oldest release it
     # serves: the library loads into that torch and every later one.
     # Hidden visibility, as torch's stable headers declare their types: the
     # library exports what library_kernels.h marks MSDA_LIBRARY_API.
     # No FMA contraction on the host (GCC's default contracts where the target
     # has FMA, as aarch64 does): pixel coordinates are rounded as PyTorch
-    # rounds them (csrc/sampling.h, pixel_coord).
+    # rounds them (csrc/core/sampling.h, pixel_coord).
     opt = ["-O0", "-g"] if os.environ.get("MSDA_DEBUG", "0") == "1" else ["-O3"]
     cxx = opt + [f"-DTORCH_TARGET_VERSION={STABLE_TARGET_HEX}", "-fvisibility=hidden",
                  "-fvisibility-inlines-hidden", "-ffp-contract=off"]

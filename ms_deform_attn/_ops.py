@@ -277,7 +277,7 @@ def _device_list(device) -> Optional[List[int]]:
 
 def _plan(query, *args) -> Dict[str, object]:
     """A planner query's answer as a dict, its fields named as the query's
-    schema names its returns (csrc/ops.cpp: one place)."""
+    schema names its returns (csrc/operator/ops.cpp: one place)."""
     names = [r.name for r in query.default._schema.returns]
     return dict(zip(names, query(*args)))
 
@@ -371,7 +371,7 @@ def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
 def _grad_value_fake(value):
     """grad_value's fake: value's own layout when value is head-major (the
     transpose(1, 2) view of a contiguous (N, M, S, D) tensor, read in place),
-    else contiguous, as csrc/output.h's value_shaped allocates it."""
+    else contiguous, as csrc/binding/output.h's value_shaped allocates it."""
     if value.dim() == 4 and not value.is_contiguous() and value.transpose(1, 2).is_contiguous():
         return torch.empty_like(value.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
     return torch.empty_like(value, memory_format=torch.contiguous_format)

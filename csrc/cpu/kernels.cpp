@@ -8,8 +8,8 @@
 
 #include <vector>
 
-#include "../dispatch.h"
-#include "../sampling.h"
+#include "../core/dispatch.h"
+#include "../core/sampling.h"
 
 namespace msda::cpu {
 namespace {

@@ -2,7 +2,7 @@
 // them in parallel with torch's parallel_for.
 #pragma once
 
-#include "../params.h"
+#include "../core/params.h"
 
 namespace msda::cpu {
 

@@ -2,10 +2,10 @@
 // (torch's parallel_for, through the stable ABI: torch's own intra-op
 // threads).
 
-#include "../backend_queries.h"
-#include "../kernel_table.h"
-#include "../output.h"
-#include "../validation.h"
+#include "../operator/backend_queries.h"
+#include "../binding/kernel_table.h"
+#include "../binding/output.h"
+#include "../operator/validation.h"
 #include "kernels.h"
 
 namespace msda {

@@ -4,7 +4,7 @@
 
 #include <mutex>
 
-#include "../backend_queries.h"
+#include "../operator/backend_queries.h"
 
 namespace msda::cuda {
 namespace {

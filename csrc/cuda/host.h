@@ -5,7 +5,7 @@
 #include <cuda_runtime.h>
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
-#include "../tensor.h"
+#include "../binding/tensor.h"
 
 #define MSDA_CUDA_CHECK(expr)                                                          \
   do {                                                                                 \

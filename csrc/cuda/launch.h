@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "../params.h"
+#include "../core/params.h"
 #include "../plan/launch_shapes.h"
 
 namespace msda::cuda {

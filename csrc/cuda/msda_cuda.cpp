@@ -5,12 +5,12 @@
 #include <array>
 #include <atomic>
 
-#include "../backend_queries.h"
-#include "../cuda_archs.h"
-#include "../fused.h"
-#include "../kernel_table.h"
-#include "../output.h"
-#include "../validation.h"
+#include "../operator/backend_queries.h"
+#include "../operator/cuda_archs.h"
+#include "../composite/fused.h"
+#include "../binding/kernel_table.h"
+#include "../binding/output.h"
+#include "../operator/validation.h"
 #include "backward/backward.h"
 #include "device_info.h"
 #include "host.h"

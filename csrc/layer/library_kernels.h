@@ -7,7 +7,7 @@
 // library registers the same functions boxed instead
 // (ms_deform_attn_register_boxed_kernels); never both.
 //
-// Shared by the library (csrc/registration.cpp) and the layer: plain types
+// Shared by the library (csrc/binding/registration.cpp) and the layer: plain types
 // only, no ATen and no stable Tensor.
 #pragma once
 

@@ -3,7 +3,7 @@
 // docs/backward.md gives the figures.
 #include "backward_plan.h"
 
-#include "../check.h"
+#include "../binding/check.h"
 
 #include <cstdint>
 #include <sstream>

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../params.h"
+#include "../core/params.h"
 #include "device.h"
 
 namespace msda {

@@ -3,7 +3,7 @@
 // as pure functions of the problem, the device and the caller's wishes.
 #include "forward_plan.h"
 
-#include "../check.h"
+#include "../binding/check.h"
 
 #include <algorithm>
 #include <sstream>

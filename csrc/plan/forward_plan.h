@@ -15,7 +15,7 @@
 #include <string_view>
 #include <vector>
 
-#include "../params.h"
+#include "../core/params.h"
 #include "device.h"
 
 namespace msda {

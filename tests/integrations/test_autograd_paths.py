@@ -120,7 +120,7 @@ def test_layer_loading_names_the_release():
                                                              "libms_deform_attn_torch.so"))
 
 
-# The kernels of the library's tables (csrc/kernel_table.h), by dispatch key.
+# The kernels of the library's tables (csrc/binding/kernel_table.h), by dispatch key.
 TABLE_KERNELS = {
     "CPU": ["ms_deform_attn", "_ms_deform_attn_backward", "_column_sum"],
     "CompositeExplicitAutograd": ["ms_deform_attn_fused", "_ms_deform_attn_fused_backward",

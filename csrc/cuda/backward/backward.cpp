@@ -4,8 +4,8 @@
 
 #include <algorithm>
 
-#include "../../output.h"
-#include "../../overrides.h"
+#include "../../binding/output.h"
+#include "../../operator/overrides.h"
 #include "../device_info.h"
 #include "../host.h"
 #include "../launch.h"

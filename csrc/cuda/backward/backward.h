@@ -6,8 +6,8 @@
 #include <cuda_runtime.h>
 
 #include "../../plan/backward_plan.h"
-#include "../../params.h"
-#include "../../validation.h"
+#include "../../core/params.h"
+#include "../../operator/validation.h"
 
 namespace msda::cuda {
 

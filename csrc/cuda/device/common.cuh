@@ -13,8 +13,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../../params.h"
-#include "../../sampling.h"
+#include "../../core/params.h"
+#include "../../core/sampling.h"
 #include "../../plan/launch_shapes.h"
 
 namespace msda::cuda {

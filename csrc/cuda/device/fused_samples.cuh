@@ -14,7 +14,7 @@ namespace msda::cuda {
 // its level lv (ref_dim 2: (x, y); 4: (cx, cy, w, h)): r + o / (W, H), or
 // r_xy + o * r_wh * half_p with half_p = 0.5 / P, as multiplications by the
 // level's reciprocals (within an ulp or two of the composite's divisions,
-// csrc/fused.cpp). Explicitly rounded operations, so that every kernel that
+// csrc/composite/fused.cpp). Explicitly rounded operations, so that every kernel that
 // forms a location gets the same bits (the sorted backward finds a sample's
 // cell twice).
 __device__ __forceinline__ void fused_location(const float (&o)[2], const float* r, int ref_dim,

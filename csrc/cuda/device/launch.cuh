@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <mutex>
 
-#include "../../dispatch.h"
+#include "../../core/dispatch.h"
 #include "../../plan/launch_shapes.h"
 #include "../device_info.h"
 #include "common.cuh"

@@ -184,7 +184,7 @@ struct RowPoints {
 
 // FusedPoints (ms_deform_attn_fused): formed from the row's sampling offsets
 // and attention logits and its query's reference points `ref` (L x ref_dim
-// floats), in the composite's order of operations (csrc/fused.cpp):
+// floats), in the composite's order of operations (csrc/composite/fused.cpp):
 // location = ref + offset / (W, H) (ref_dim 2) or ref_xy + offset / P *
 // ref_wh * 0.5 (ref_dim 4); weight = exp(logit - max) / sum over the row
 // (row_softmax). Float accumulation only (no fp64 values).

@@ -6,8 +6,8 @@
 #include <cuda.h>  // CUtensorMap (types only)
 #include <cuda_runtime.h>
 
-#include "../../params.h"
-#include "../../sampling.h"
+#include "../../core/params.h"
+#include "../../core/sampling.h"
 
 namespace msda::cuda {
 

@@ -1,7 +1,7 @@
 // The environment overrides (overrides.h).
 #include "overrides.h"
 
-#include "check.h"
+#include "../binding/check.h"
 
 #include <cstdlib>
 

@@ -5,8 +5,8 @@
 #include <limits>
 #include <vector>
 
-#include "overrides.h"
-#include "params.h"
+#include "../operator/overrides.h"
+#include "../core/params.h"
 #include "tensor.h"
 
 namespace msda {

@@ -7,14 +7,14 @@
 // operators ask here too.
 #pragma once
 
-#include "tensor.h"
+#include "../binding/tensor.h"
 
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "plan/backward_plan.h"
-#include "plan/forward_plan.h"
+#include "../plan/backward_plan.h"
+#include "../plan/forward_plan.h"
 
 namespace msda {
 

@@ -4,7 +4,7 @@
 // are registered at load, whether or not a layer is (it has no CUDA kernels
 // to register, kernel_table.h).
 #ifndef MSDA_WITH_CUDA
-#include "kernel_table.h"
+#include "../binding/kernel_table.h"
 
 msda::KernelTable msda::cuda_kernels() { return {}; }
 

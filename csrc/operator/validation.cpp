@@ -3,9 +3,9 @@
 // kernel of any device runs; and the inputs made contiguous for the kernels.
 #include "validation.h"
 
-#include "plan/forward_plan.h"
+#include "../plan/forward_plan.h"
 #include "overrides.h"
-#include "sampling.h"
+#include "../core/sampling.h"
 
 namespace msda {
 

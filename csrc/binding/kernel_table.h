@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "layer/library_kernels.h"
+#include "../layer/library_kernels.h"
 #include "tensor.h"
 
 namespace msda {

@@ -8,8 +8,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "params.h"
-#include "tensor.h"
+#include "../core/params.h"
+#include "../binding/tensor.h"
 
 namespace msda {
 

@@ -6,7 +6,7 @@
 // (cuda/msda_cuda.cpp). The autograd kernel (share/ms_deform_attn/src/autograd.cpp) saves
 // the raw inputs.
 #include "fused.h"
-#include "kernel_table.h"
+#include "../binding/kernel_table.h"
 
 namespace msda {
 namespace {

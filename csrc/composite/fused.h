@@ -10,7 +10,7 @@
 #include <string_view>
 #include <tuple>
 
-#include "tensor.h"
+#include "../binding/tensor.h"
 
 namespace msda {
 

@@ -7,8 +7,8 @@
 
 #include "backend_queries.h"
 #include "cuda_archs.h"
-#include "kernel_table.h"
-#include "plan/backward_plan.h"
+#include "../binding/kernel_table.h"
+#include "../plan/backward_plan.h"
 #include "ms_deform_attn/version.h"
 #include "validation.h"
 

@@ -1,7 +1,7 @@
 // The backend questions for any device (backend_queries.h).
 #include "backend_queries.h"
 
-#include "check.h"
+#include "../binding/check.h"
 
 #include <sstream>
 

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <string>
 
-#include "plan/backward_plan.h"
-#include "params.h"
+#include "../plan/backward_plan.h"
+#include "../core/params.h"
 
 namespace msda {
 
