@@ -6,7 +6,7 @@
 // here each row is read once, 16 bytes a lane, and the sums are added in a
 // fixed order: bitwise the same on every run.
 #include "device/launch.cuh"
-#include "launch.h"
+#include "entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -15,7 +15,7 @@
 #include "device_info.h"
 #include "host.h"
 #include "kernel_image.h"
-#include "launch.h"
+#include "entry_points.h"
 
 namespace msda {
 namespace {

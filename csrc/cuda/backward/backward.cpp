@@ -8,7 +8,7 @@
 #include "../../operator/overrides.h"
 #include "../device_info.h"
 #include "../host.h"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -13,7 +13,7 @@
 // handed round through shared memory (encoders), or set up by every lane
 // (decoders). Serves every forward backend; docs/backward.md has the figures.
 #include "sample_grads.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -28,7 +28,7 @@
 #include "../device/fused_samples.cuh"
 #include "../device/grad_value_records.cuh"
 #include "../device/launch.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -5,7 +5,7 @@
 // also forms the row's softmax and writes each row's statistics.
 #include "sample_grads.cuh"
 #include "../device/tensor_core.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -27,7 +27,7 @@
 #include "../device/grad_value_records.cuh"
 #include "../device/launch.cuh"
 #include "../device/tensor_core.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -5,7 +5,7 @@
 // accumulation. For ms_deform_attn_fused it also forms the locations and
 // the softmax from the offsets and logits (FusedPoints, sampler.cuh).
 #include "../device/sampler.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -8,7 +8,7 @@
 // give few warps (the decoders), blocked_lane_rows_kernel takes them
 // instead: every lane sets up its own points, no slots.
 #include "../device/sampler.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -26,7 +26,7 @@
 #include <tuple>
 
 #include "../device/sampler.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

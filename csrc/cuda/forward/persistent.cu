@@ -31,7 +31,7 @@
 #include <algorithm>
 
 #include "../device/sampler.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 
 namespace msda::cuda {
 namespace {

@@ -19,7 +19,7 @@
 // - Levels the descriptors cannot serve (host shapes that disagree with the
 //   device tensors, no box) read global memory only.
 #include "../device/sampler.cuh"
-#include "../launch.h"
+#include "../entry_points.h"
 #include "tma_maps.h"
 
 namespace msda::cuda {

@@ -1,6 +1,7 @@
 // Host entry points of the CUDA kernels. ATen-free: the binding layer fills
 // the params structs; each launcher dispatches on dtype and returns the launch
-// status for the binding to check.
+// status for the binding to check. (Launch constants: ../plan/launch_shapes.h,
+// shared with the planners; device-side launch helpers: device/launch.cuh.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,7 +10,6 @@
 #include <initializer_list>
 
 #include "../core/params.h"
-#include "../plan/launch_shapes.h"
 
 namespace msda::cuda {
 
