@@ -49,7 +49,8 @@ inline int64_t sample_count(const Problem& pb) { return pb.N * pb.Lq * pb.M * pb
 enum class BlockedRows : int { automatic, shared, lane };
 
 // The forward backends with kernels of their own.
-enum class ForwardBackend : int { cpu, tma, cluster, persistent, blocked, baseline };
+// pytorch: the Python entry points' backend, never a plan of the C++ operator.
+enum class ForwardBackend : int { cpu, tma, cluster, persistent, blocked, baseline, pytorch };
 
 // The forward's plan (plan/forward_plan.h decides it): the backend, and how
 // its kernel is launched. Trivially copyable: it travels in ForwardParams.

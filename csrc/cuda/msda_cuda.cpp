@@ -58,7 +58,8 @@ cudaError_t launch(const ForwardParams& p, cudaStream_t stream) {
     case ForwardBackend::persistent: return cuda::persistent_forward(p, stream);
     case ForwardBackend::cluster: return cuda::cluster_forward(p, stream);
     case ForwardBackend::tma: return cuda::tma_forward(p, stream);
-    case ForwardBackend::cpu: break;
+    case ForwardBackend::cpu:
+    case ForwardBackend::pytorch: break;
   }
   return cudaErrorInvalidValue;
 }

@@ -30,10 +30,10 @@ std::optional<DeviceInfo> cuda_device_info(int device) {
 }
 
 std::vector<std::string> available_backends(Device device) {
-  if (device.is_cpu()) return {"cpu"};
+  if (device.is_cpu()) return backends_on(Runs::cpu, nullptr);
   if (!device.is_cuda()) return {};
   const auto info = cuda_device_info(device.has_index() ? device.index() : -1);
-  return info ? cuda_backends(*info) : std::vector<std::string>{};
+  return info ? backends_on(Runs::cuda, &*info) : std::vector<std::string>{};
 }
 
 ForwardWishes forward_wishes(std::string_view backend) {
@@ -80,14 +80,10 @@ BackwardPlan plan_backward_for(const BackwardProblem& p, Device device, bool det
 
 std::string backend_reason(std::string_view backend, const ForwardProblem& p, Device device) {
   const std::string name(backend);
-  if (device.is_cpu()) {
-    if (name == "cpu" || name == "auto") return "";
-    if (name == "pytorch") return reference_backend_reason();
-    return "cannot run on CPU tensors; backends for cpu: ['cpu'] (or 'auto')";
-  }
+  if (device.is_cpu()) return backend_reason_on(name, p, Runs::cpu, nullptr);
   const auto d = device.is_cuda() ? cuda_device_info(device.index()) : std::nullopt;
   if (!d) return no_kernel(device);
-  return cuda_backend_reason(name, p, *d);
+  return backend_reason_on(name, p, Runs::cuda, &*d);
 }
 
 }  // namespace msda

@@ -68,15 +68,18 @@ bool always(const ForwardProblem&) { return true; }
 // still puts it ahead. fp64 is not measured.
 bool blocked_auto(const ForwardProblem& p) { return p.pb.value_dtype != DType::f64; }
 
-// A CUDA forward backend: its checks (device_reason: the device alone, what
-// available_backends lists; problem_reason: the inputs too; "" when it
-// can), whether "auto" may pick it (auto_ok: the benchmark's verdict), the
-// byte alignment it needs of value's data (a misaligned value is copied),
-// and whether its kernel forms ms_deform_attn_fused's locations and softmax
-// itself (the fused operator takes its composite on the others).
+// A forward backend: where it runs (CPU tensors, CUDA tensors, or from
+// Python only: `pytorch`, which the C++ operator refuses), its checks on a
+// CUDA device (device_reason: the device alone, what available_backends
+// lists; problem_reason: the inputs too; "" when it can), whether "auto"
+// may pick it (auto_ok: the benchmark's verdict), the byte alignment it
+// needs of value's data (a misaligned value is copied), and whether its
+// kernel forms ms_deform_attn_fused's locations and softmax itself (the
+// fused operator takes its composite on the others).
 struct Backend {
   const char* name;
   ForwardBackend id;
+  Runs runs;
   std::string (*device_reason)(const DeviceInfo&);
   std::string (*problem_reason)(const ForwardProblem&);
   bool (*auto_ok)(const ForwardProblem&);
@@ -88,21 +91,28 @@ struct Backend {
 // auto_ok holds is chosen. benchmarks/ measures every backend on the
 // canonical workloads (its `auto:` lines check this choice).
 const Backend kBackends[] = {
+    // The CPU kernel (cpu/), every CPU problem.
+    {"cpu", ForwardBackend::cpu, Runs::cpu, runs_anywhere, runs_any_problem, always, 1, false},
     // Slower than baseline on every canonical workload (more instructions a
     // sample than the loads it saves): explicit requests only. 16-byte
     // aligned value: the copy engine's global address alignment.
-    {"tma", ForwardBackend::tma, needs_tma, tma_problem, never, 16, false},
+    {"tma", ForwardBackend::tma, Runs::cuda, needs_tma, tma_problem, never, 16, false},
     // Bound by distributed shared memory's bandwidth, which serves most of
     // every sample's corner reads; slower than baseline: explicit requests only.
-    {"cluster", ForwardBackend::cluster, needs_clusters, runs_any_problem, never, 1, false},
+    {"cluster", ForwardBackend::cluster, Runs::cuda, needs_clusters, runs_any_problem, never, 1, false},
     // L1/TEX-bound either way, and its shared-memory cache reads conflict;
     // slower than baseline: explicit requests only.
-    {"persistent", ForwardBackend::persistent, runs_anywhere, runs_any_problem, never, 1, false},
+    {"persistent", ForwardBackend::persistent, Runs::cuda, runs_anywhere, runs_any_problem, never, 1, false},
     // Blocks of consecutive queries of one (batch, head); faster than
     // baseline in fp32, bf16 and fp16.
-    {"blocked", ForwardBackend::blocked, runs_anywhere, blocked_problem, blocked_auto, 1, true},
-    {"baseline", ForwardBackend::baseline, runs_anywhere, runs_any_problem, always, 1, true},
+    {"blocked", ForwardBackend::blocked, Runs::cuda, runs_anywhere, blocked_problem, blocked_auto, 1, true},
+    {"baseline", ForwardBackend::baseline, Runs::cuda, runs_anywhere, runs_any_problem, always, 1, true},
+    // The operator in plain PyTorch ops (reference.ms_deform_attn_plain),
+    // which the Python entry points run; never picked by "auto".
+    {"pytorch", ForwardBackend::pytorch, Runs::python, runs_anywhere, runs_any_problem, never, 1, false},
 };
+
+const char* runs_on(Runs r) { return r == Runs::cpu ? "CPU" : r == Runs::cuda ? "CUDA" : "Python"; }
 
 const Backend* find(const std::string& name) {
   for (const auto& b : kBackends) {
@@ -173,9 +183,8 @@ void plan_blocked(const ForwardProblem& p, const DeviceInfo& d, const ForwardWis
 
 const std::vector<std::string>& backend_names() {
   static const std::vector<std::string> names = [] {
-    std::vector<std::string> n = {"cpu"};
+    std::vector<std::string> n;
     for (const auto& b : kBackends) n.emplace_back(b.name);
-    n.emplace_back("pytorch");
     return n;
   }();
   return names;
@@ -191,17 +200,18 @@ void check_backend_name(std::string_view backend) {
 }
 
 const char* backend_name(ForwardBackend b) {
-  if (b == ForwardBackend::cpu) return "cpu";
   for (const auto& e : kBackends) {
     if (e.id == b) return e.name;
   }
   return "?";
 }
 
-std::vector<std::string> cuda_backends(const DeviceInfo& d) {
+std::vector<std::string> backends_on(Runs where, const DeviceInfo* d) {
   std::vector<std::string> names;
   for (const auto& b : kBackends) {
-    if (b.device_reason(d).empty()) names.emplace_back(b.name);
+    if (b.runs == where && (where != Runs::cuda || b.device_reason(*d).empty())) {
+      names.emplace_back(b.name);
+    }
   }
   return names;
 }
@@ -212,27 +222,34 @@ std::string reference_backend_reason() {
          "kernel of that name";
 }
 
-std::string cuda_backend_reason(const std::string& name, const ForwardProblem& p, const DeviceInfo& d) {
+std::string backend_reason_on(const std::string& name, const ForwardProblem& p, Runs on,
+                              const DeviceInfo* d) {
   if (name == "auto") return "";
-  if (name == "cpu") return "cannot run on CUDA tensors (only on CPU tensors)";
-  if (name == "pytorch") return reference_backend_reason();
   const Backend* b = find(name);
   if (b == nullptr) {
     return "unknown backend '" + name + "'; expected 'auto' or one of " + quoted(backend_names());
   }
-  return why_not(*b, p, d);
+  if (b->runs == Runs::python) return reference_backend_reason();
+  if (b->runs != on) {
+    std::ostringstream os;
+    os << "cannot run on " << runs_on(on) << " tensors (only on " << runs_on(b->runs)
+       << " tensors); backends for " << runs_on(on) << ": " << quoted(backends_on(on, d))
+       << " (or 'auto')";
+    return os.str();
+  }
+  return on == Runs::cuda ? why_not(*b, p, *d) : "";
 }
 
 std::string auto_backend(const ForwardProblem& p, const DeviceInfo& d) {
   for (const auto& b : kBackends) {
-    if (why_not(b, p, d).empty() && b.auto_ok(p)) return b.name;
+    if (b.runs == Runs::cuda && why_not(b, p, d).empty() && b.auto_ok(p)) return b.name;
   }
   MSDA_CHECK(false, "ms_deform_attn: no CUDA backend can run these inputs");
 }
 
 ForwardPlan plan_forward(const ForwardProblem& p, const DeviceInfo& d, const ForwardWishes& w) {
   const std::string name = w.backend == "auto" ? auto_backend(p, d) : w.backend;
-  const std::string why = cuda_backend_reason(name, p, d);
+  const std::string why = backend_reason_on(name, p, Runs::cuda, &d);
   MSDA_CHECK(why.empty(), "ms_deform_attn: backend '", name, "' cannot run these inputs: ", why);
   const Backend& b = *find(name);
   const Problem& pb = p.pb;
@@ -269,6 +286,7 @@ ForwardPlan plan_forward(const ForwardProblem& p, const DeviceInfo& d, const For
           smem_budget(p, d, w, cuda::kTmaThreads, cuda::kTmaAlignSlack, cuda::kTmaStages);
       break;
     case ForwardBackend::cpu:
+    case ForwardBackend::pytorch:
       break;
   }
   return plan;

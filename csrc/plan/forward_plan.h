@@ -20,9 +20,14 @@
 
 namespace msda {
 
-// Every backend name of the library, whatever the build: "cpu", the CUDA
-// backends in the order "auto" prefers them, and "pytorch" (the grid_sample
-// reference, run by the Python entry points only; never picked by "auto").
+// Where a backend runs: on CPU tensors, on CUDA tensors, or from the Python
+// entry points only (`pytorch`).
+enum class Runs { cpu, cuda, python };
+
+// Every backend name of the library, whatever the build, one row of the
+// backend table each: "cpu", the CUDA backends in the order "auto" prefers
+// them, and "pytorch" (the operator in plain PyTorch ops, run by the Python
+// entry points only; never picked by "auto").
 const std::vector<std::string>& backend_names();
 // Raises unless `backend` is "auto" or one of backend_names().
 void check_backend_name(std::string_view backend);
@@ -50,14 +55,16 @@ struct ForwardWishes {
   int64_t smem_budget = -1;      // cache bytes of a caching backend (-1: its default)
 };
 
-// The CUDA backends a device of compute capability d can run at all, in the
-// order "auto" prefers them.
-std::vector<std::string> cuda_backends(const DeviceInfo& d);
+// The backends that run on `where` (for CUDA, those device *d can run at
+// all), in the order "auto" prefers them.
+std::vector<std::string> backends_on(Runs where, const DeviceInfo* d);
 // Why "pytorch" cannot run in the C++ operator, on any device.
 std::string reference_backend_reason();
-// Why CUDA backend `name` cannot run problem p on device d ("" when it can);
-// "auto" always can; unknown names and "cpu" / "pytorch" say why not.
-std::string cuda_backend_reason(const std::string& name, const ForwardProblem& p, const DeviceInfo& d);
+// Why backend `name` cannot run problem p on tensors of `on` (cpu or cuda;
+// d: the CUDA device's figures) ("" when it can): "auto" always can; an
+// unknown name, a backend of the other device and "pytorch" say why not.
+std::string backend_reason_on(const std::string& name, const ForwardProblem& p, Runs on,
+                              const DeviceInfo* d);
 // The backend "auto" resolves to for p on d.
 std::string auto_backend(const ForwardProblem& p, const DeviceInfo& d);
 
