@@ -126,7 +126,11 @@ def ms_deform_attn_gather(
     # matrix product: (N Lq M, 1, L 4 P) x (N Lq M, L 4 P, D).
     k = 4 * n_levels * n_points
     rows = value.transpose(1, 2).reshape(n * m * s, d)
-    corners = rows.index_select(0, index.reshape(-1)).to(acc).view(n * lq * m, k, d)
+    if corners_outside_read_nothing and rows.requires_grad and rows.is_cuda:
+        corners = _GatherRows.apply(rows, index.reshape(-1))
+    else:
+        corners = rows.index_select(0, index.reshape(-1))
+    corners = corners.to(acc).view(n * lq * m, k, d)
     if corners_outside_read_nothing:
         read = torch.stack([in_x0 & in_y0, in_x1 & in_y0, in_x0 & in_y1, in_x1 & in_y1], dim=4)
         read = read.reshape(n * lq * m, k, 1)
@@ -135,6 +139,26 @@ def ms_deform_attn_gather(
     bad_row = (~finite).flatten(3).any(-1, keepdim=True)  # (N, Lq, M, 1)
     out = torch.where(bad_row, torch.full_like(out, float("nan")), out)
     return out.reshape(n, lq, m * d).to(value.dtype)
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows.index_select(0, index), whose gradient sums each row's shares
+    in the same order on every run: index_select's own backward adds them
+    with atomics on CUDA (index_add_), so the `pytorch` backend's gradients
+    differed in their last bits from run to run there; index_put_ with
+    accumulate sorts the indices first on CUDA."""
+
+    @staticmethod
+    def forward(ctx, rows, index):
+        ctx.save_for_backward(index)
+        ctx.rows = rows.shape[0]
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        out = grad.new_zeros((ctx.rows,) + tuple(grad.shape[1:]))
+        return out.index_put((index,), grad, accumulate=True), None
 
 
 # 1 + 2^-12 is a float32 (24-bit significand) but no bfloat16 (8) or float16
