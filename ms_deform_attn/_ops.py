@@ -371,7 +371,7 @@ def _forward_fake(value, spatial_shapes, level_start_index, sampling_locations,
 def _grad_value_fake(value):
     """grad_value's fake: value's own layout when value is head-major (the
     transpose(1, 2) view of a contiguous (N, M, S, D) tensor, read in place),
-    else contiguous, as csrc/binding/output.h's value_shaped allocates it."""
+    else contiguous, as csrc/operator/output.h's value_shaped allocates it."""
     if value.dim() == 4 and not value.is_contiguous() and value.transpose(1, 2).is_contiguous():
         return torch.empty_like(value.transpose(1, 2), memory_format=torch.contiguous_format).transpose(1, 2)
     return torch.empty_like(value, memory_format=torch.contiguous_format)

@@ -4,7 +4,7 @@
 
 #include "../operator/backend_queries.h"
 #include "../binding/kernel_table.h"
-#include "../binding/output.h"
+#include "../operator/output.h"
 #include "../operator/validation.h"
 #include "kernels.h"
 

@@ -9,7 +9,7 @@
 #include "../operator/cuda_archs.h"
 #include "../composite/fused.h"
 #include "../binding/kernel_table.h"
-#include "../binding/output.h"
+#include "../operator/output.h"
 #include "../operator/validation.h"
 #include "backward/backward.h"
 #include "device_info.h"

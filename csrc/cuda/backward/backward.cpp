@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "../../binding/output.h"
+#include "../../operator/output.h"
 #include "../../operator/overrides.h"
 #include "../device_info.h"
 #include "../host.h"

@@ -5,9 +5,9 @@
 #include <limits>
 #include <vector>
 
-#include "../operator/overrides.h"
+#include "overrides.h"
 #include "../core/params.h"
-#include "tensor.h"
+#include "../binding/tensor.h"
 
 namespace msda {
 
