@@ -65,7 +65,8 @@ torch_layer = _layer.load()
 _lib = torch.ops.ms_deform_attn
 
 # The operator in plain PyTorch ops (reference.ms_deform_attn_plain), accepted
-# as a backend by the Python entry points and the layers (not by the C++ operator): slow, every device, float64 too.
+# as a backend by the Python entry points and the layers (not by the C++
+# operator): slow, every device, float64 too.
 REFERENCE_BACKEND = "pytorch"
 
 

@@ -178,8 +178,8 @@ def _precision_probe(x: torch.Tensor) -> torch.Tensor:
     turns that into 1 or NaN. It multiplies the corner weights, ahead of the
     batched product, where a runtime that keeps only a graph's tail in
     float32 still lowers it."""
-    p = x.reshape(-1)[:1] * 0 + (1 + _PROBE_EPS)
-    p = torch.cat([p, p])[:1]
+    zero = torch.cat([x.reshape(-1)[:1], x.new_zeros(1)])[:1] * 0  # x may hold no sample
+    p = torch.cat([zero + (1 + _PROBE_EPS)] * 2)[:1]
     d = (p - 1) * (1 / _PROBE_EPS)
     return d / d
 
