@@ -3,7 +3,7 @@
 // registered for every backend (CompositeExplicitAutograd), forms the fp32
 // (fp64) locations and weights as tensors and calls ms_deform_attn; they
 // live only for that call. On CUDA the baseline kernel forms them itself
-// (cuda/msda_cuda.cpp). The autograd kernel (share/ms_deform_attn/src/autograd.cpp) saves
+// (cuda/msda_cuda.cpp). The autograd kernel (csrc/layer/autograd.cpp) saves
 // the raw inputs.
 #include "fused.h"
 #include "../binding/kernel_table.h"

@@ -1,7 +1,7 @@
 // The fused operator ms_deform_attn_fused: the attention layer's raw outputs
 // (reference points, sampling offsets, attention logits) in, the sampling
 // locations and the softmax formed inside the operator in fp32 (fp64 for
-// fp64 values). Its autograd (share/ms_deform_attn/src/autograd.cpp) keeps those raw
+// fp64 values). Its autograd (csrc/layer/autograd.cpp) keeps those raw
 // inputs, not the N x Lq x M x L x P locations and weights; its backward
 // (_ms_deform_attn_fused_backward) forms them again.
 #pragma once

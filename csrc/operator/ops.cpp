@@ -2,7 +2,7 @@
 // per dispatch key in cpu/, cuda/ and fused.cpp (_linear's forward,
 // aten::linear, here), registered by the version-bound layer or by
 // registration.cpp; autograd, autocast and the public C++ API are the
-// layer's (ms_deform_attn/share/ms_deform_attn/src/). All of it through
+// layer's (csrc/layer/). All of it through
 // LibTorch's stable ABI (tensor.h).
 
 #include "backend_queries.h"
@@ -102,7 +102,7 @@ BackwardPlanFields backward_plan(const Tensor& value, const Tensor& spatial_shap
 }
 
 // _linear's forward on every device: torch's linear. What differs from it is
-// its autograd (share/ms_deform_attn/src/autograd.cpp), whose bias gradient
+// its autograd (csrc/layer/autograd.cpp), whose bias gradient
 // is _column_sum.
 Tensor linear(const Tensor& input, const Tensor& weight, const std::optional<Tensor>& bias) {
   return call_op("aten::linear", "", input, weight, bias);

@@ -6,7 +6,6 @@
 #include "../binding/check.h"
 
 #include <cstdint>
-#include <sstream>
 
 #include "launch_shapes.h"
 

@@ -4,6 +4,8 @@ defines is listed (a new one has to be declared, or named with a leading
 underscore)."""
 import importlib
 import inspect
+import pathlib
+import re
 
 import pytest
 import torch
@@ -51,9 +53,6 @@ def test_the_default_device_of_the_planners_is_testing_h100():
 def test_the_usage_docs_arguments_example_runs_here():
     """docs/usage.md's first example, as it stands there, on whatever device
     this machine has (it read device="cuda" and failed on a CPU machine)."""
-    import pathlib
-    import re
-
     path = pathlib.Path(__file__).resolve().parents[2] / "docs" / "usage.md"
     if not path.exists():
         pytest.skip("docs/ is the checkout's: run from the checkout")
@@ -66,9 +65,6 @@ def test_the_usage_docs_arguments_example_runs_here():
 
 def test_one_version_everywhere():
     """The version's four places agree (docs/development.md, Release)."""
-    import pathlib
-    import re
-
     root = pathlib.Path(msda.__file__).resolve().parent
     found = {"ms_deform_attn.__version__": msda.__version__}
     header = root / "include" / "ms_deform_attn" / "version.h"
@@ -85,8 +81,6 @@ def test_one_version_everywhere():
 
 def test_docs_stay_in_proportion():
     """README at most 200 lines, docs/development.md 250, performance.md 400."""
-    import pathlib
-
     root = pathlib.Path(__file__).resolve().parents[2]
     limits = {"README.md": 200, "docs/development.md": 250, "docs/performance.md": 400}
     if not (root / "docs").exists():
@@ -101,9 +95,6 @@ def test_the_cpp_sources_live_under_csrc():
     under csrc/ includes anything from the Python package's folder (the
     package carries copies of csrc/include and csrc/layer, made by the
     build), and every quoted include resolves inside csrc/."""
-    import pathlib
-    import re
-
     root = pathlib.Path(__file__).resolve().parents[2]
     csrc = root / "csrc"
     if not csrc.exists():
