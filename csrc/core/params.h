@@ -110,6 +110,10 @@ struct BackwardPlan {
   GatherKernel gather = GatherKernel::none;
   int gather_vec = 1;                        // elements a vector access of the gather
   bool composite = false;                    // fused only: the ATen composite serves it
+  // grad_value local: a block copies its (n, m)'s grad_output rows and its
+  // tile's corner weights into shared memory before walking the pixels
+  // (local_stage_bytes), so that the walk waits on no global load.
+  bool stage = false;
   constexpr bool deterministic() const { return grad_value != GradValuePath::atomic; }
 };
 

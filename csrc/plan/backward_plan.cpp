@@ -95,6 +95,13 @@ bool local_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d) {
          pb.D % (16 / elem) == 0 && p.grad_out_align >= 16;
 }
 
+bool local_stage_ok(const BackwardProblem& p, const DeviceInfo& d) {
+  const Problem& pb = p.pb;
+  const int64_t bytes = cuda::local_stage_bytes(pb.Lq, pb.P, pb.D, dtype_bytes(pb.value_dtype));
+  return pb.Lq * pb.P <= kLocalCapSmall && bytes <= cuda::kLocalStageMax &&
+         cuda::kLocalSmemSmall + bytes <= d.smem_optin;
+}
+
 BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const BackwardWishes& w) {
   const Problem& pb = p.pb;
   BackwardPlan plan;
@@ -109,6 +116,7 @@ BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const 
     plan.grad_value = w.request != GradValueRequest::sorted && local_grad_value_ok(p, d)
                           ? GradValuePath::local
                           : GradValuePath::sorted;
+    plan.stage = plan.grad_value == GradValuePath::local && w.stage && local_stage_ok(p, d);
   }
   // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
   // atomics, so that a group's vector atomic covers a 128-byte line; 32

@@ -46,6 +46,7 @@ inline BackwardProblem backward_problem(const Problem& pb, const void* value, co
 struct BackwardWishes {
   bool deterministic = false;
   GradValueRequest request = GradValueRequest::automatic;
+  bool stage = true;  // the block-local walk may stage its inputs (BackwardPlan::stage)
 };
 
 // The plan for p on device d given the caller's wishes w.
@@ -61,6 +62,10 @@ bool mma_dots_ok(const BackwardProblem& p);
 // D a multiple of 16 bytes, 16-byte aligned grad_output, its 32-bit index
 // ranges, and the kernel's shared memory on the device.
 bool local_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d);
+// Whether that path's walk stages its inputs (BackwardPlan::stage): Lq P <=
+// kLocalCapSmall and local_stage_bytes <= kLocalStageMax, within the device's
+// shared memory a block.
+bool local_stage_ok(const BackwardProblem& p, const DeviceInfo& d);
 // The names of the plan's choices, as the queries give them.
 const char* grad_value_name(GradValuePath path);
 const char* dots_name(DotsKernel dots);

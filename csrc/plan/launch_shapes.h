@@ -118,6 +118,16 @@ constexpr int kLocalCapSmall = 4096;
 constexpr int kLocalCap = 8192;
 constexpr int64_t kLocalSmemSmall = 32 * 1024;
 constexpr int64_t kLocalSmem = 48 * 1024;
+// The staged block-local walk (BackwardPlan::stage): at most this many bytes
+// of grad_output rows and weights beside kLocalSmemSmall, so that two blocks
+// still fit an SM.
+constexpr int64_t kLocalStageMax = 64 * 1024;
+// Its bytes: a float4 of corner weights a sample of the (n, m, level) (at
+// most every one touches the tile) and the Lq grad_output rows of D elements
+// of `elem` bytes.
+constexpr int64_t local_stage_bytes(int64_t Lq, int64_t P, int64_t D, int64_t elem) {
+  return Lq * P * 16 + Lq * D * elem;
+}
 // local_footprints (the fused FFMA path's records): grid capped at this
 // many blocks an SM.
 constexpr int kFootprintBlocksPerSm = 16;

@@ -15,9 +15,16 @@ DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp6
 
 
 
-def plan(grad_value, dots, vec, gather="none", gather_vec=1, composite=False):
+def plan(grad_value, dots, vec, gather="none", gather_vec=1, stage=False, composite=False):
     return dict(grad_value=grad_value, dots=dots, vec=vec, gather=gather, gather_vec=gather_vec,
-                composite=composite)
+                stage=stage, composite=composite)
+
+
+def staged(dots, vec):
+    """The block-local path whose walk reads grad_output and the weights from
+    shared memory: Lq P <= 4096 and (16 bytes a sample + a grad_output row a
+    query) <= 64 KB."""
+    return plan("local", dots, vec, stage=True)
 
 
 COMPOSITE = plan("atomic", "ffma", 1, composite=True)
@@ -47,24 +54,27 @@ TABLE = [
     ("ddetr_enc-fp64-det", ("ddetr_enc", "fp64"), {"deterministic": True},
      plan("sorted", "ffma", 4, "pixels", 2)),
     # 16-bit decoders: the block-local grad_value (no sort) is the faster one.
-    ("ddetr_dec-bf16", ("ddetr_dec", "bf16"), {}, plan("local", "mma", 8)),
-    ("ddetr_dec-fp16", ("ddetr_dec", "fp16"), {}, plan("local", "mma", 8)),
-    ("rtdetr_dec-bf16", ("rtdetr_dec", "bf16"), {}, plan("local", "mma", 8)),
-    ("rtdetr_dec-bf16-fused", ("rtdetr_dec", "bf16"), {"fused": True}, plan("local", "mma_rows", 8)),
+    ("ddetr_dec-bf16", ("ddetr_dec", "bf16"), {}, staged("mma", 8)),
+    ("ddetr_dec-fp16", ("ddetr_dec", "fp16"), {}, staged("mma", 8)),
+    ("rtdetr_dec-bf16", ("rtdetr_dec", "bf16"), {}, staged("mma", 8)),
+    ("rtdetr_dec-bf16-fused", ("rtdetr_dec", "bf16"), {"fused": True}, staged("mma_rows", 8)),
+    # DINO's 900 queries: 57.6 KB of weights and as much of grad_output rows,
+    # over the staged walk's 64 KB: the walk loads them from global memory.
+    ("dino_dec-bf16", ("dino_dec", "bf16"), {}, plan("local", "mma", 8)),
     # fp32 decoders: atomics, unless asked to be deterministic (block-local, FFMA dots).
     ("ddetr_dec-fp32", ("ddetr_dec", "fp32"), {}, plan("atomic", "ffma", 4)),
-    ("ddetr_dec-fp32-det", ("ddetr_dec", "fp32"), {"deterministic": True}, plan("local", "ffma", 8)),
+    ("ddetr_dec-fp32-det", ("ddetr_dec", "fp32"), {"deterministic": True}, staged("ffma", 8)),
     ("ddetr_dec-fp32-fused-det", ("ddetr_dec", "fp32"), {"fused": True, "deterministic": True},
-     plan("local", "ffma", 8)),
+     staged("ffma", 8)),
     # 16-bit locations (the fused layers' offsets under autocast) plan alike.
-    ("ddetr_dec-bf16-bf16loc", ("ddetr_dec", "bf16", None, torch.bfloat16), {}, plan("local", "mma", 8)),
+    ("ddetr_dec-bf16-bf16loc", ("ddetr_dec", "bf16", None, torch.bfloat16), {}, staged("mma", 8)),
     # The caller's request (MS_DEFORM_ATTN_GRAD_VALUE): sorted skips the
     # block-local path; atomic yields to deterministic=True; local where it applies.
     ("ddetr_dec-bf16-ask-sorted", ("ddetr_dec", "bf16"), {"grad_value": "sorted"},
      plan("sorted", "mma", 8, "tiles", 8)),
     ("ddetr_dec-bf16-ask-atomic", ("ddetr_dec", "bf16"), {"grad_value": "atomic"}, plan("atomic", "ffma", 4)),
     ("ddetr_dec-bf16-ask-atomic-det", ("ddetr_dec", "bf16"), {"grad_value": "atomic", "deterministic": True},
-     plan("local", "mma", 8)),
+     staged("mma", 8)),
     ("ddetr_enc-fp32-ask-local", ("ddetr_enc", "fp32"), {"grad_value": "local"},
      plan("sorted", "ffma", 8, "pixels", 4)),
     # A value not 16-byte aligned: no tensor cores, no vectors.
@@ -114,6 +124,14 @@ def test_the_query_takes_the_backwards_path(monkeypatch):
     assert msda.select_backward_plan(*inputs, deterministic=True)["grad_value"] == "sorted"
     assert msda.select_backward_plan(*inputs, deterministic=True,
                                      grad_value="local")["grad_value"] == "local"
+    monkeypatch.delenv("MS_DEFORM_ATTN_GRAD_VALUE")
+    assert msda.select_backward_plan(*inputs)["stage"]
+    monkeypatch.setenv("MS_DEFORM_ATTN_LOCAL_STAGE", "0")
+    assert not msda.select_backward_plan(*inputs)["stage"]
+    monkeypatch.setenv("MS_DEFORM_ATTN_LOCAL_STAGE", "yes")
+    with pytest.raises(RuntimeError, match="MS_DEFORM_ATTN_LOCAL_STAGE must be '0' or '1', got 'yes'"):
+        msda.select_backward_plan(*inputs)
+    monkeypatch.delenv("MS_DEFORM_ATTN_LOCAL_STAGE")
     monkeypatch.setenv("MS_DEFORM_ATTN_BACKEND", "baseline")
     assert msda.select_forward_plan(*inputs, device=W.DEVICES["H100"])["backend"] == "baseline"
 
@@ -125,5 +143,6 @@ def test_plans_are_structures():
     bwd = msda.select_backward_plan(*inputs)
     assert isinstance(fwd["backend"], str) and isinstance(fwd["composite"], bool)
     assert all(isinstance(fwd[k], int) for k in ("vec", "lanes", "threads", "blocks"))
-    assert list(bwd) == ["grad_value", "dots", "vec", "gather", "gather_vec", "composite"]
+    assert list(bwd) == ["grad_value", "dots", "vec", "gather", "gather_vec", "stage",
+                         "composite"]
     assert isinstance(bwd["composite"], bool) and isinstance(bwd["vec"], int)

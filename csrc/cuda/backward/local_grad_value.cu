@@ -17,6 +17,15 @@
 // the same bits on every run. Scratch: the records (20 bytes a sample) and
 // the blocks' work counter.
 //
+// Staged (BackwardPlan::stage, where they fit: the 16-bit decoders): the
+// block copies its (n, m)'s Lq grad_output rows into shared memory with the
+// records' loads, and, once the tile's samples are grouped, each one's four
+// weights in sorted order, with its query in place of its index: the walk
+// then reads shared memory only. Unstaged, each run's entries wait on their
+// weights' and rows' global loads, one run after another down a column:
+// on the dense small levels of a decoder that chain is the item's time.
+// The same sums in the same order either way: the same bits.
+//
 // Grouping: a counting sort (shared-memory counters, a scan, a scatter), then
 // each cell's run put in sample order by insertion sort, so the order does
 // not depend on the counters' atomics. A tile with a cell of more than
@@ -134,7 +143,12 @@ __global__ void __launch_bounds__(kThreads) local_footprints(const BackwardParam
 // of different sizes and levels balance over the SMs. A level's tiles are
 // its map cut into ceil(H / kTileH) x ceil(W / kTileW) nearly equal parts.
 // The launch keeps N M S below 2^31 and Lq P <= kCap.
-template <typename T, int VEC, int kCap>
+// kStage: the staged walk (above); its shared memory follows LocalSmem: the
+// weights (LqP float4 at most) at stage_offset<kCap>(), then the Lq rows.
+template <int kCap>
+constexpr size_t stage_offset() { return (sizeof(LocalSmem<kCap>) + 15) / 16 * 16; }
+
+template <typename T, int VEC, int kCap, bool kStage>
 __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     grad_value_local_kernel(const BackwardParams p, T* __restrict__ grad_value, const int lanes,
                      const uint32_t* __restrict__ cell, const float4* __restrict__ wts,
@@ -171,6 +185,9 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
   const FastDiv by_p(static_cast<uint32_t>(pb.P));
   const int groups = kLocalThreads / lanes, grp = tid / lanes, ql = tid % lanes;
   const T* gout = static_cast<const T*>(p.grad_out);
+  float4* staged_w = reinterpret_cast<float4*>(smem_raw + stage_offset<kCap>());
+  char* staged_rows = reinterpret_cast<char*>(staged_w + (kStage ? LqP : 0));
+  const unsigned staged_row_bytes = static_cast<unsigned>(pb.D * sizeof(T));
 
   for (;;) {
     for (int c = tid; c < kScanItems * kLocalThreads; c += kLocalThreads) sm.start[c] = 0;
@@ -199,6 +216,19 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     for (int k = 0; k < kLocalItems; ++k) {
       const uint32_t i = uint32_t(k) * kLocalThreads + tid;
       cl[k] = i < LqP ? __ldg(fcell + i) : kNoCell;
+    }
+    if constexpr (kStage) {
+      // The (n, m)'s grad_output rows, 16 bytes a thread at a time (D sizeof(T)
+      // is a multiple of 16: the plan), while the cells load. The previous
+      // item's walk ended at a barrier.
+      const unsigned chunks = staged_row_bytes / 16, total = uint32_t(pb.Lq) * chunks;
+      const char* src = reinterpret_cast<const char*>(gout + (n * pb.Lq * pb.M + m) * pb.D);
+      const unsigned src_row = static_cast<unsigned>(pb.M * pb.D * sizeof(T));
+      for (unsigned k = tid; k < total; k += kLocalThreads) {
+        const unsigned q = k / chunks, c = k - q * chunks;
+        reinterpret_cast<uint4*>(staged_rows)[k] =
+            __ldg(reinterpret_cast<const uint4*>(src + uint64_t(q) * src_row + c * 16u));
+      }
     }
     uint32_t kr[kLocalItems];  // key << 16 | rank within the key's cell; key `cells`: none
 #pragma unroll
@@ -266,6 +296,17 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
       }
     }
     __syncthreads();
+    if constexpr (kStage) {
+      // The tile's samples' weights in sorted order, each entry's index
+      // replaced by its query (the row it reads).
+      const int total = int(sm.start[cells]);
+      for (int j = tid; j < total; j += kLocalThreads) {
+        const uint32_t i = sm.u.s.ent[j];
+        staged_w[j] = __ldg(wts + base + i);
+        sm.u.s.ent[j] = static_cast<uint16_t>(by_p(i));
+      }
+      __syncthreads();
+    }
 
     // Pixels by columns: `lanes` threads (VEC channels each) a unit of one
     // pixel column and a segment of rows [ya, yb). Cell (a, c) of the tile has
@@ -307,8 +348,14 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
           // Entry j's weights for (above, below) and grad_output row.
           auto load = [&](const int j, float2& w, R& raw) {
             const uint32_t i = sm.u.s.ent[j];
-            w = __ldg(wpair + 2 * i + (j < split ? 1 : 0));
-            raw = __ldg(reinterpret_cast<const R*>(gbase + uint64_t(by_p(i)) * row_bytes + cb));
+            if constexpr (kStage) {
+              w = reinterpret_cast<const float2*>(staged_w)[2 * j + (j < split ? 1 : 0)];
+              raw = *reinterpret_cast<const R*>(staged_rows + i * staged_row_bytes +
+                                                unsigned(ch) * unsigned(sizeof(T)));
+            } else {
+              w = __ldg(wpair + 2 * i + (j < split ? 1 : 0));
+              raw = __ldg(reinterpret_cast<const R*>(gbase + uint64_t(by_p(i)) * row_bytes + cb));
+            }
           };
           auto add = [&](const float2& w, const R& raw) {
             A go[VEC];
@@ -386,15 +433,21 @@ struct LocalLaunch {
         local_footprints<LT><<<grid, kThreads, 0, stream>>>(g.bw);
       }
       if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-      return small_cap(g.pb) ? tiles<kLocalCapSmall>(g, d, cell, wts, stream)
-                             : tiles<kLocalCap>(g, d, cell, wts, stream);
+      // The staged walk only where the plan's local_stage_ok holds, which
+      // implies the small cap.
+      if (g.bw.plan.stage) return tiles<kLocalCapSmall, true>(g, d, cell, wts, stream);
+      return small_cap(g.pb) ? tiles<kLocalCapSmall, false>(g, d, cell, wts, stream)
+                             : tiles<kLocalCap, false>(g, d, cell, wts, stream);
     }
   }
-  template <int kCap>
+  template <int kCap, bool kStage>
   static cudaError_t tiles(const LocalParams& g, const DeviceInfo& d, const uint32_t* cell,
                            const float4* wts, cudaStream_t stream) {
-    constexpr size_t bytes = sizeof(LocalSmem<kCap>);
-    auto kernel = grad_value_local_kernel<T, VEC, kCap>;
+    const size_t bytes =
+        kStage ? stage_offset<kCap>() + static_cast<size_t>(local_stage_bytes(
+                                            g.pb.Lq, g.pb.P, g.pb.D, int64_t(sizeof(T))))
+               : sizeof(LocalSmem<kCap>);
+    auto kernel = grad_value_local_kernel<T, VEC, kCap, kStage>;
     if (const cudaError_t err = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
         err != cudaSuccess) {
