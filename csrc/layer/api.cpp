@@ -11,11 +11,6 @@
 namespace ms_deform_attn {
 namespace {
 
-// _select_forward_plan: the plan's fields, the backend first (ops.cpp).
-using PlanSig = std::tuple<std::string, bool, bool, int64_t, int64_t, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, int64_t>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, at::OptionalIntArrayRef, bool, c10::string_view, at::OptionalIntArrayRef);
 using ReasonSig = std::string(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const at::Tensor&, const at::Tensor&, c10::string_view,
                               at::OptionalIntArrayRef);
@@ -73,11 +68,16 @@ std::string select_backend(const at::Tensor& value, const at::Tensor& spatial_sh
                            const at::Tensor& sampling_locations,
                            const at::Tensor& attention_weights,
                            at::OptionalIntArrayRef spatial_shapes_list) {
-  static const auto op = msda::typed_op<PlanSig>("ms_deform_attn::_select_forward_plan");
+  // _select_forward_plan's first field is the backend (ops.cpp); called
+  // boxed, so that only that one is read here, whatever fields follow.
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("ms_deform_attn::_select_forward_plan", "");
   return c10_errors([&] {
-    return std::get<0>(op.call(value, spatial_shapes, level_start_index, sampling_locations,
-                               attention_weights, spatial_shapes_list, false, "auto",
-                               std::nullopt));
+    torch::jit::Stack stack{value, spatial_shapes, level_start_index, sampling_locations,
+                            attention_weights, c10::IValue(spatial_shapes_list), false,
+                            std::string("auto"), c10::IValue()};
+    op.callBoxed(&stack);
+    return stack.at(0).toStringRef();
   });
 }
 
