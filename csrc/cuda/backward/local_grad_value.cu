@@ -15,7 +15,8 @@
 // Every pixel of the map is in exactly one tile, so grad_value is written
 // completely, once, in its dtype: no fill, no accumulator, no conversion, and
 // the same bits on every run. Scratch: the records (20 bytes a sample) and
-// the blocks' work counter.
+// the blocks' work counter, from which blocks claim items level by level,
+// the smallest level first: its tiles hold the longest walks.
 //
 // Staged (BackwardPlan::stage, where they fit: the 16-bit decoders): the
 // block copies its (n, m)'s Lq grad_output rows into shared memory with the
@@ -79,7 +80,8 @@ struct LocalSmem {
   uint32_t start[kScanItems * kLocalThreads];
   Level levels[kMaxLevels];
   FastDiv by_row[kMaxLevels];      // a level's cells a row: W + 1
-  uint32_t first[kMaxLevels + 1];  // first item of each level; first[L]: the total
+  uint32_t first[kMaxLevels + 1];  // first item of the k-th level taken; first[L]: the total
+  int order[kMaxLevels];           // the levels in the order their items are taken
   int tile_h[kMaxLevels], tile_w[kMaxLevels];  // a level's tile (the last ones clipped)
   uint32_t tiles_x[kMaxLevels], tiles[kMaxLevels];
   uint32_t item;                   // the block's current item
@@ -165,7 +167,6 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     return;
   }
   if (threadIdx.x == 0) {
-    uint32_t first = 0;
     for (int l = 0; l < pb.L; ++l) {
       const Level& lv = sm.levels[l];
       const int ty = (lv.H + kTileH - 1) / kTileH, tx = (lv.W + kTileW - 1) / kTileW;
@@ -174,8 +175,24 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
       sm.tiles_x[l] = uint32_t(tx);
       sm.tiles[l] = uint32_t(tx) * uint32_t(ty);
       sm.by_row[l] = FastDiv(uint32_t(lv.W + 1));
-      sm.first[l] = first;
-      first += uint32_t(pb.N * pb.M) * sm.tiles[l];
+      sm.order[l] = l;
+    }
+    // Every level receives Lq P samples of each (n, m): the smallest level's
+    // items are the densest (the longest walks); taken first, they do not
+    // start last on a GPU already full of the sparse large-level items.
+    for (int k = 1; k < pb.L; ++k) {  // insertion sort by pixels, stable
+      const int l = sm.order[k];
+      const int64_t px = int64_t(sm.levels[l].H) * sm.levels[l].W;
+      int j = k - 1;
+      for (; j >= 0 && int64_t(sm.levels[sm.order[j]].H) * sm.levels[sm.order[j]].W > px; --j) {
+        sm.order[j + 1] = sm.order[j];
+      }
+      sm.order[j + 1] = l;
+    }
+    uint32_t first = 0;
+    for (int k = 0; k < pb.L; ++k) {
+      sm.first[k] = first;
+      first += uint32_t(pb.N * pb.M) * sm.tiles[sm.order[k]];
     }
     sm.first[pb.L] = first;
   }
@@ -198,10 +215,11 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     __syncthreads();
     const uint32_t item = sm.item;
     if (item >= sm.first[pb.L]) break;
-    int l = 0;
-    while (item >= sm.first[l + 1]) ++l;
+    int k = 0;
+    while (item >= sm.first[k + 1]) ++k;
+    const int l = sm.order[k];
     const Level lv = sm.levels[l];
-    const uint32_t r = item - sm.first[l], nm = r / sm.tiles[l], tile = r - nm * sm.tiles[l];
+    const uint32_t r = item - sm.first[k], nm = r / sm.tiles[l], tile = r - nm * sm.tiles[l];
     const int64_t n = nm / pb.M, m = nm - n * pb.M;
     const int r0 = static_cast<int>(tile / sm.tiles_x[l]) * sm.tile_h[l];
     const int c0 = static_cast<int>(tile % sm.tiles_x[l]) * sm.tile_w[l];
