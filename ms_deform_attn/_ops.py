@@ -290,7 +290,8 @@ def select_forward_plan(value, spatial_shapes, level_start_index, sampling_locat
     {"backend", "composite" (ms_deform_attn_fused: the ATen composite
     serves it), "copy_value" (value copied for the backend's alignment),
     "vec", "lanes", "threads", "split" (`blocked`: groups a row with per-lane
-    set-up, 0 for the shared slots), "blocks_per_head", "blocks", "resident"
+    set-up, 0 for the shared slots), "one_level" (`blocked`'s slots for one
+    level, without the level table), "blocks_per_head", "blocks", "resident"
     (blocks an SM the carve-out is sized for), "smem_budget" (the caching
     backends' bytes), "workspace"}. `backend`: "auto" (the
     MS_DEFORM_ATTN_BACKEND override applies) or a name; raises with the

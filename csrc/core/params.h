@@ -62,6 +62,7 @@ struct ForwardPlan {
   int lanes = 1;             // threads of a (query, head) row's group (lanes_for)
   int threads = 0;           // a block (baseline, blocked)
   int split = 0;             // blocked: groups a row with per-lane set-up; 0: slots
+  bool one_level = false;    // blocked, slots, L == 1: no level table (no block barrier)
   int64_t blocks_per_head = 0;  // blocked: blocks a (batch, head)
   int64_t blocks = 0;        // the grid (baseline, blocked)
   int resident = 0;          // blocks an SM the shared-memory carve-out is sized for

@@ -48,9 +48,10 @@ ForwardProblem checked_problem(const Tensor& value, const Tensor& spatial_shapes
 // The forward's plan for these inputs (plan/forward_plan.h), on value's
 // device or on the one `device` describes, through the operator's own path
 // (plan_forward_for: MS_DEFORM_ATTN_BACKEND overrides "auto"). The fields
-// as the schema names them.
+// as the schema names them, the backend first (the C++ API's select_backend
+// reads that one field).
 using ForwardPlanFields = std::tuple<std::string, bool, bool, int64_t, int64_t, int64_t, int64_t,
-                                     int64_t, int64_t, int64_t, int64_t, int64_t>;
+                                     bool, int64_t, int64_t, int64_t, int64_t, int64_t>;
 ForwardPlanFields forward_plan(const Tensor& value, const Tensor& spatial_shapes,
                                const Tensor& level_start_index, const Tensor& sampling_locations,
                                const Tensor& attention_weights,
@@ -61,7 +62,7 @@ ForwardPlanFields forward_plan(const Tensor& value, const Tensor& spatial_shapes
                                            spatial_shapes_list, fused);
   const ForwardPlan f = plan_forward_for(p, value.device(), backend, described_device(device));
   return {backend_name(f.backend), f.composite, f.copy_value, f.vec, f.lanes, f.threads,
-          f.split, f.blocks_per_head, f.blocks, f.resident, f.smem_budget, f.workspace};
+          f.split, f.one_level, f.blocks_per_head, f.blocks, f.resident, f.smem_budget, f.workspace};
 }
 
 std::string reason(const Tensor& value, const Tensor& spatial_shapes,
@@ -179,7 +180,7 @@ STABLE_TORCH_LIBRARY(ms_deform_attn, m) {
       "Tensor sampling_locations, Tensor attention_weights, int[]? spatial_shapes_list=None, "
       "bool fused=False, str backend=\"auto\", int[]? device=None) -> (str backend, "
       "bool composite, bool copy_value, int vec, int lanes, int threads, int split, "
-      "int blocks_per_head, int blocks, int resident, int smem_budget, int workspace)");
+      "bool one_level, int blocks_per_head, int blocks, int resident, int smem_budget, int workspace)");
   m.def("_built_with_cuda() -> bool");
   // TORCH_CUDA_ARCH_LIST of the build ("" without CUDA kernels), and the
   // error a device of compute capability major.minor gets ("" if it runs them).

@@ -150,8 +150,9 @@ int64_t smem_budget(const ForwardProblem& p, const DeviceInfo& d, const ForwardW
 
 // `blocked`'s launch: blocks of kThreads, halved while they would leave SMs
 // with fewer than kBlockedMinBlocksPerSm blocks; rows with per-lane set-up
-// where warps are few (lane_row_split), which needs 16-byte vectors of fp32,
-// bf16 or fp16 and is not the fused operator's kernel.
+// where warps are few (lane_row_split); the slots without the level table
+// for one level. Both kernels are instantiated for 16-byte vectors of fp32,
+// bf16 or fp16 only, and neither is the fused operator's.
 void plan_blocked(const ForwardProblem& p, const DeviceInfo& d, const ForwardWishes& w,
                   ForwardPlan& plan) {
   const Problem& pb = p.pb;
@@ -162,9 +163,9 @@ void plan_blocked(const ForwardProblem& p, const DeviceInfo& d, const ForwardWis
          per_head(threads) * pb.N * pb.M < int64_t(cuda::kBlockedMinBlocksPerSm) * d.sms) {
     threads /= 2;
   }
-  const bool lane_rows = !p.fused && pb.value_dtype != DType::f64 &&
-                         plan.vec * dtype_bytes(pb.value_dtype) == 16 &&
-                         w.blocked_rows != BlockedRows::shared;
+  const bool vec16_kernels = !p.fused && pb.value_dtype != DType::f64 &&
+                             plan.vec * dtype_bytes(pb.value_dtype) == 16;
+  const bool lane_rows = vec16_kernels && w.blocked_rows != BlockedRows::shared;
   plan.threads = threads;
   plan.split = lane_rows ? cuda::lane_row_split(pb.N * pb.M * pb.Lq, lanes, pb.L * pb.P, d.sms,
                                                 w.blocked_rows == BlockedRows::lane)
@@ -175,6 +176,9 @@ void plan_blocked(const ForwardProblem& p, const DeviceInfo& d, const ForwardWis
   } else {
     plan.blocks_per_head = per_head(threads);
     plan.resident = cuda::kForwardBlocksPerSm * kThreads / threads;
+    // One level needs no table in shared memory, nor the barrier before
+    // the rows that waits on its load.
+    plan.one_level = vec16_kernels && pb.L == 1;
   }
   plan.blocks = plan.blocks_per_head * pb.N * pb.M;
 }

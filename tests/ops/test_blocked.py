@@ -2,8 +2,8 @@
 head), sized down for small problems, with groups past the last query that
 only stand in; rounds of points across levels; both set-ups of a row's
 samples (shared through slots, or per lane with the row split over several
-groups; MS_DEFORM_ATTN_BLOCKED_ROWS forces one); the fused operator's points
-formed in it; where auto takes it."""
+groups; MS_DEFORM_ATTN_BLOCKED_ROWS forces one); one level without the
+level table; the fused operator's points formed in it; where auto takes it."""
 import pytest
 import torch
 
@@ -48,15 +48,44 @@ def test_rounds_across_levels(p, rows):
     assert rel_err(out, reference64(*inputs)) <= TOL[torch.float32]
 
 
-def test_matches_baseline_bitwise_in_fp32(monkeypatch):
+@pytest.mark.parametrize("shapes", [SHAPES, SHAPES[:1]], ids=["levels", "one_level"])
+def test_matches_baseline_bitwise_in_fp32(shapes, monkeypatch):
     # The same per-sample arithmetic in the same order: only the work's
     # placement differs. (The per-lane set-up adds a split row's parts in
     # another order.)
     monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_ROWS", "shared")
-    inputs = make_inputs(2, 500, 8, 32, SHAPES, 4, torch.float32, device="cuda")
+    inputs = make_inputs(2, 500, 8, 32, shapes, 4, torch.float32, device="cuda")
     a = msda.ms_deform_attn(*inputs, backend="blocked")
     b = msda.ms_deform_attn(*inputs, backend="baseline")
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("lq", [1, 65, 2049])
+@pytest.mark.parametrize("shape", [(20, 30), (1, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+def test_one_level(lq, shape, dtype, monkeypatch):
+    # One level (BEVFormer): the shared slots without the level table.
+    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_ROWS", "shared")
+    inputs = make_inputs(2, lq, 3, 32, [shape], 4, dtype, torch.float32, device="cuda")
+    assert msda.select_forward_plan(*inputs)["one_level"]
+    out = msda.ms_deform_attn(*inputs, backend="blocked")
+    assert rel_err(out, reference64(*inputs)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("shape,start", [((4, 5), 0), ((4, 6), 1), ((0, 6), 0), ((-4, -6), 0),
+                                         ((1 << 20, 1 << 20), 0)],
+                         ids=["rows", "start", "zero", "negative", "huge"])
+def test_one_level_checks_its_level_on_device(shape, start, monkeypatch):
+    # The one-level kernel reads and checks its level itself: shapes only on
+    # the GPU that do not match value's 24 rows make the whole output NaN.
+    monkeypatch.setenv("MS_DEFORM_ATTN_BLOCKED_ROWS", "shared")
+    value, _, _, loc, attn = make_inputs(2, 70, 3, 32, [(4, 6)], 4, torch.float32, device="cuda")
+    shapes = torch.tensor([shape], device="cuda")
+    starts = torch.tensor([start], device="cuda")
+    assert msda.select_forward_plan(value, shapes, starts, loc, attn)["one_level"]
+    out = msda.ms_deform_attn(value, shapes, starts, loc, attn, backend="blocked")
+    assert torch.isnan(out).all()
 
 
 def test_rows_override_is_checked(monkeypatch):

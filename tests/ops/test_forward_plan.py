@@ -32,7 +32,18 @@ TABLE = [
     ("ddetr_enc-bf16-H200", ("ddetr_enc", "bf16"), "H200", {}, blocked(8, 4, 256, 0)),
     ("ddetr_enc-fp16-A100", ("ddetr_enc", "fp16"), "A100", {}, blocked(8, 4, 256, 0)),
     ("m2f_enc-fp32-RTX5090", ("m2f_enc", "fp32"), "RTX5090", {}, blocked(4, 8, 256, 0)),
-    ("bevformer_tsa-bf16-H100", ("bevformer_tsa", "bf16"), "H100", {}, blocked(8, 4, 256, 0)),
+    # One level (BEVFormer): the slots without the level table.
+    ("bevformer_tsa-bf16-H100", ("bevformer_tsa", "bf16"), "H100", {},
+     dict(blocked(8, 4, 256, 0), one_level=True)),
+    ("bevformer_tsa-fp32-H200", ("bevformer_tsa", "fp32"), "H200", {},
+     dict(blocked(4, 8, 256, 0), one_level=True)),
+    ("ddetr_enc-bf16-one-level-no", ("ddetr_enc", "bf16"), "H100", {},
+     dict(blocked(8, 4, 256, 0), one_level=False)),
+    # Its kernel serves 16-byte vectors, not the fused operator.
+    ("bevformer_tsa-fp32-D30", ("bevformer_tsa", "fp32", 30), "H200", {},
+     dict(blocked(1, 32, 256, 0), one_level=False)),
+    ("bevformer_tsa-bf16-fused", ("bevformer_tsa", "bf16"), "H200", {"fused": True},
+     dict(blocked(8, 4, 256, 0), one_level=False)),
     # One head (seed): blocked too (its prologue alone puts it ahead).
     ("seed-bf16-H200", ("seed", "bf16"), "H200", {}, blocked(8, 4, 256, 0)),
     # fp64 is not measured: baseline.

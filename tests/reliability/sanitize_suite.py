@@ -2,10 +2,10 @@
 `sanitize`): every CUDA backend, forward and backward (atomics, global sort,
 block-local sort), every dtype, locations inside, outside, on pixel centres and
 level borders, NaN and infinite; D that takes the vector and the scalar
-paths; the persistent backend with no shared-memory cache; the block-local
-path above 4096 samples a (n, m, level); value head-major on every backend
-and path. Prints the cases
-run; any sanitizer report fails the stage (--error-exitcode).
+paths; the persistent backend with no shared-memory cache; blocked's
+one-level kernel; the block-local path above 4096 samples a (n, m, level);
+value head-major on every backend and path. Prints the cases run; any
+sanitizer report fails the stage (--error-exitcode).
 
     compute-sanitizer --tool memcheck python tests/reliability/sanitize_suite.py [--backends a,b]
 
@@ -55,14 +55,14 @@ def set_env(name, value):
         os.environ[name] = value
 
 
-def special_cases(backend, count) -> int:
+def special_cases(backend, count, levels=((5, 7), (3, 2), (1, 1))) -> int:
     """`backend` on every dtype and D, some locations outside and a third of
     them special; returns `count` (the cases run so far, the seed) plus its
     cases."""
+    levels = list(levels)
     for dtype, loc_dtype, d in cases():
         value, shapes, start, loc, attn = make_inputs(
-            2, 13, 3, d, [(5, 7), (3, 2), (1, 1)], 3, dtype, loc_dtype, outside=0.3,
-            seed=count)
+            2, 13, 3, d, levels, 3, dtype, loc_dtype, outside=0.3, seed=count)
         # Special locations on a third of the samples (made on the host).
         special = torch.tensor(SPECIAL, dtype=torch.float64)
         pick = torch.randint(0, len(SPECIAL), loc.shape)
@@ -70,7 +70,6 @@ def special_cases(backend, count) -> int:
         loc = torch.where(mask, special[pick], loc.double()).to(loc_dtype)
         shapes, start = shapes.cuda(), start.cuda()
         value, loc, attn = [t.cuda().requires_grad_() for t in (value, loc, attn)]
-        levels = [(5, 7), (3, 2), (1, 1)]
         if msda.backend_reason(backend, value, shapes, start, loc, attn,
                                spatial_shapes_list=levels):
             continue  # e.g. tma with float64 values
@@ -97,6 +96,10 @@ def main() -> int:
         for rows in ("shared", "lane"):
             set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", rows)
             count = special_cases("blocked", count)
+        # One level (BEVFormer): the shared slots without the level table.
+        set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", "shared")
+        for levels in (((5, 7),), ((1, 1),)):
+            count = special_cases("blocked", count, levels)
         set_env("MS_DEFORM_ATTN_BLOCKED_ROWS", None)
     # Wide rows: groups of 16 and 32 lanes (and several 16-byte chunks a
     # lane), whose slots a warp shares differently, on each set-up of a row.

@@ -237,6 +237,12 @@ struct RawLevel {
   int64_t H = 1, W = 1, start = 0;
 };
 
+// A level's H and W as the kernels index them: positive, each and their
+// product below 2^31.
+__device__ __forceinline__ bool level_dims_ok(int64_t H, int64_t W) {
+  return H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX;
+}
+
 __device__ __forceinline__ RawLevel fetch_level(const int64_t* shapes, const int64_t* starts,
                                                 int L) {
   RawLevel r;
@@ -254,7 +260,7 @@ __device__ __forceinline__ void store_levels(Level* lv, const RawLevel& r, int L
   if (threadIdx.x >= 32) return;
   const int l = static_cast<int>(threadIdx.x);
   const int64_t H = r.H, W = r.W, st = r.start;
-  const bool dims_ok = H > 0 && W > 0 && H <= INT32_MAX && W <= INT32_MAX && H * W <= INT32_MAX;
+  const bool dims_ok = level_dims_ok(H, W);
   const int64_t area = l < L && dims_ok ? H * W : 0;
   int64_t end = area;  // inclusive scan of the areas over the lanes
 #pragma unroll
@@ -271,6 +277,15 @@ __device__ __forceinline__ void store_levels(Level* lv, const RawLevel& r, int L
 __device__ __forceinline__ void load_levels(Level* lv, const int64_t* shapes,
                                             const int64_t* starts, int L, int64_t S) {
   store_levels(lv, fetch_level(shapes, starts, L), L, S);
+}
+
+// A table of one level (L == 1), read and checked by the calling thread as
+// store_levels checks a table: no shared memory, no barrier.
+__device__ __forceinline__ Level single_level(const int64_t* shapes, const int64_t* starts,
+                                              int64_t S) {
+  const int64_t H = __ldg(shapes), W = __ldg(shapes + 1), st = __ldg(starts);
+  const bool ok = level_dims_ok(H, W) && st == 0 && H * W == S;
+  return ok ? Level{int(H), int(W), 0, false} : Level{1, 1, 0, true};
 }
 
 // ---- work decomposition ----------------------------------------------------

@@ -315,8 +315,10 @@ struct LanePoint {
 // round loads its points; `next` unused. The gather is gather_slots either
 // way (a software-pipelined one, the next sample's slot read and loads
 // issued before the current sample's sums, measured slower on trained-like
-// locations: docs/performance.md).
-template <typename T, bool kAhead, typename Points, typename A, int VEC, typename Fetch>
+// locations: docs/performance.md). kOneLevel: every point is on level 0
+// (L == 1), no division by P.
+template <typename T, bool kAhead, bool kOneLevel = false, typename Points, typename A, int VEC,
+          typename Fetch>
 __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P,
                                            const FastDiv& by_p, const Level* levels,
                                            const Points& pts, bool valid, bool active,
@@ -332,7 +334,7 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P,
   for (int i0 = 0; i0 < LP; i0 += g.lanes) {
     const int i = i0 + g.lane;
     if (i < resolved) {
-      const int l = static_cast<int>(by_p(static_cast<uint32_t>(i)));
+      const int l = kOneLevel ? 0 : static_cast<int>(by_p(static_cast<uint32_t>(i)));
       const Level lv = levels[l];
       LanePoint<A> pt = next;
       if constexpr (!kAhead) pts.load(lv, l, i, pt.x, pt.y, pt.w);

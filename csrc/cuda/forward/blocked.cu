@@ -69,7 +69,10 @@ struct HeadPixels {
   }
 };
 
-template <typename T, typename LT, int VEC, bool kFused>
+// kOneLevel (ForwardPlan::one_level: L == 1, BEVFormer's temporal
+// self-attention): every thread reads and checks the level itself
+// (single_level), so the block has no barrier before its rows.
+template <typename T, typename LT, int VEC, bool kFused, bool kOneLevel = false>
 // At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
 __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     blocked_forward_kernel(const ForwardParams p, const int lanes, const RowDivisors div) {
@@ -78,7 +81,8 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   __shared__ Level levels[kMaxLevels];
   __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads];
   // The level table's load first: the set-up below runs under it.
-  const RawLevel raw_level = fetch_level(p.spatial_shapes, p.level_start, pb.L);
+  RawLevel raw_level;
+  if constexpr (!kOneLevel) raw_level = fetch_level(p.spatial_shapes, p.level_start, pb.L);
   // A group a row. Groups past the last query stay (loading nothing), so
   // that every warp syncs whole: a partial-mask __syncwarp costs a
   // convergence check each time. lanes is a power of two (lanes_for).
@@ -94,8 +98,14 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   if constexpr (!kFused) {
     if (valid && lane < pb.L * pb.P) next.load(RowPoints<LT>{loc, attn}, lane);
   }
-  store_levels(levels, raw_level, pb.L, pb.S);
-  __syncthreads();
+  Level one{1, 1, 0, true};
+  if constexpr (kOneLevel) {
+    one = single_level(p.spatial_shapes, p.level_start, pb.S);
+  } else {
+    store_levels(levels, raw_level, pb.L, pb.S);
+    __syncthreads();
+  }
+  const Level* lvls = kOneLevel ? &one : levels;
   const HeadPixels<T, VEC> value(p, site.n, site.m);
   T* out = static_cast<T*>(p.out) + site.group * pb.D;
   const CornerSlots<A> slots(slot_mem, kThreads);
@@ -115,8 +125,8 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
         // again: holding it over a pass costs the fp32 kernel a spill.
         if (c0 > 0 && valid && lane < pb.L * pb.P) next.load(pts, lane);
       }
-      gather_row<T, !kFused>(g, pb.L, pb.P, div.by_points, levels, pts, valid, active, slots, acc,
-                             value.at(active ? c : 0), next);
+      gather_row<T, !kFused, kOneLevel>(g, pb.L, pb.P, div.by_points, lvls, pts, valid, active,
+                                        slots, acc, value.at(active ? c : 0), next);
       if (valid && active) store_vec<T, VEC>(out + c, acc);
     }
   };
@@ -201,6 +211,18 @@ struct Launch {
         if (err != cudaSuccess) return err;
         blocked_lane_rows_kernel<T, LT, VEC><<<blocks, plan.threads, 0, stream>>>(
             p, plan.lanes, plan.split, div);
+        return cudaGetLastError();
+      }
+      return cudaErrorInvalidValue;
+    }
+    if (plan.one_level) {
+      // Instantiated for what the plan gives it: 16-byte vectors of fp32,
+      // bf16 or fp16.
+      if constexpr (VEC * sizeof(T) == 16 && !std::is_same_v<T, double>) {
+        err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false, true>>(plan.resident);
+        if (err != cudaSuccess) return err;
+        blocked_forward_kernel<T, LT, VEC, false, true><<<blocks, plan.threads, 0, stream>>>(
+            p, plan.lanes, div);
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
