@@ -3,6 +3,8 @@ value map, and huge sampling tensors. Outputs are checked against a float64
 gather reference on the queries it can afford; grad_value by the adjoint
 identity <grad_value(g), v> = <g, forward(v)> with g = forward(v), which
 any wrong or stray element would break. GPU only; skipped where memory is short."""
+import gc
+
 import pytest
 import torch
 
@@ -18,6 +20,8 @@ GIB = 1 << 30
 def need_free(nbytes):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    gc.collect()  # the earlier tests' tensors, still cached by the allocator
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     if free < nbytes:
         pytest.skip(f"needs {nbytes / GIB:.0f} GiB free on the GPU, has {free / GIB:.0f}")
