@@ -25,6 +25,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -184,6 +185,7 @@ def measure(args) -> Dict:
         def tqdm(x, **_):
             return x
     combos = [(wl, d) for wl in workloads for d in dtypes]
+    began, timed_before = time.perf_counter(), len(rows)
     bar = tqdm(combos, desc="bench", file=sys.stderr, disable=not sys.stderr.isatty())
     for wl, dname in bar:
         if (wl.name, dname) in done:
@@ -195,6 +197,7 @@ def measure(args) -> Dict:
                               args, notes))
         _checkpoint(args, {"env": env, "notes": notes, "rows": rows})
     env["timer"] = args.timer
+    print(wall_summary(rows[timed_before:], time.perf_counter() - began), file=sys.stderr)
     busy = [r for r in rows if r.get("spread_us", 0) > BUSY_SPREAD * r["time_us"]]
     if busy:
         worst = max(busy, key=lambda r: r["spread_us"] / r["time_us"])
@@ -206,6 +209,20 @@ def measure(args) -> Dict:
         print(f"warning: {notes[-1]}", file=sys.stderr)
     return {"env": env, "notes": notes, "rows": rows}
 
+
+
+def wall_summary(rows: List[Dict], total_s: float) -> str:
+    """Where this call's wall-clock time went: each implementation's
+    measurements (their wall_s), most first, and the rest (inputs, the
+    float64 reference, failed measurements): what to cut when a run does not
+    fit a device call."""
+    by_impl: Dict[str, float] = {}
+    for r in rows:
+        by_impl[r["impl"]] = by_impl.get(r["impl"], 0.0) + r.get("wall_s", 0.0)
+    parts = [f"{k} {v:.1f}" for k, v in sorted(by_impl.items(), key=lambda kv: -kv[1])]
+    rest = total_s - sum(by_impl.values())
+    return (f"wall time {total_s:.1f} s, {len(rows)} measurements: " + ", ".join(parts)
+            + f", the rest {rest:.1f}")
 
 
 def _previous_run(args) -> Optional[Dict]:
@@ -278,6 +295,7 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
         for pas in passes:
             row = dict(workload=wl.name, dtype=dname, impl=name, kind=kind_of(name), pass_=pas,
                        auto_choice=choice, sets=n_sets)
+            began = time.perf_counter()
             try:
                 if pas == "fwd":
                     with torch.no_grad():
@@ -334,7 +352,9 @@ def bench_one(wl, dname, dtype, loc_dtype, device, impls, passes, copy_bw, args,
             t = timing.median_us
             row.update(time_us=t, spread_us=timing.iqr_us, method=timing.method, reps=timing.reps,
                        floor_bytes=fb, floor_us=floor_us, GBps=fb / (t * 1e-6) / 1e9,
-                       x_floor=t / floor_us)
+                       x_floor=t / floor_us,
+                       # the measurement's own cost (capture, errors, repetitions)
+                       wall_s=time.perf_counter() - began)
             rows.append(row)
     # Backward time derived as (fwd + bwd) - fwd of the same implementation;
     # not derived where the difference is within the two measurements'

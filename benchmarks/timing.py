@@ -77,6 +77,16 @@ def _timing(times: List[float], method: str) -> Timing:
 
 
 # ---- timing -----------------------------------------------------------------------
+def repetitions(one_ms: float, target_ms: float, min_reps: int, max_reps: int) -> int:
+    """Repetitions of a step that took one_ms once: as many as fit target_ms,
+    at least min_reps, at most max_reps; but a step so slow that min_reps of
+    it would pass four times the target (the reference, the original op on
+    the large workloads) takes three, enough for a median and a spread."""
+    fit = min(max_reps, int(target_ms / one_ms))
+    floor = min_reps if one_ms * min_reps <= 4 * target_ms else 3
+    return max(floor, fit)
+
+
 def _sync(device: str):
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -123,8 +133,7 @@ def time_cuda(step: Callable[[int], object], n_sets: int, use_graph: bool,
     run()
     end.record()
     torch.cuda.synchronize()
-    one_ms = max(start.elapsed_time(end), 1e-3)
-    reps = max(min_reps, min(2000, int(target_ms / one_ms)))
+    reps = repetitions(max(start.elapsed_time(end), 1e-3), target_ms, min_reps, 2000)
     times = []
     for _ in range(reps):
         start.record()
@@ -141,7 +150,7 @@ def time_cpu(step: Callable[[int], object], n_sets: int, target_s: float = 1.0) 
     t0 = time.perf_counter()
     step(0)
     one = time.perf_counter() - t0
-    reps = max(3, min(50, int(target_s / max(one, 1e-6))))
+    reps = repetitions(max(one, 1e-6) * 1e3, target_s * 1e3, 3, 50)
     times = []
     for r in range(reps):
         t0 = time.perf_counter()

@@ -47,7 +47,7 @@ def test_benchmark_runs_on_a_tiny_workload(tmp_path):
     impls = {r["impl"] for r in result["rows"]}
     assert {"cpu", "reference"} <= impls
     for r in result["rows"]:
-        assert r["time_us"] > 0 and r["floor_us"] > 0
+        assert r["time_us"] > 0 and r["floor_us"] > 0 and r["wall_s"] > 0
         assert r["rel_err"] <= 1e-5, r
     assert any("bwd_us" in r for r in result["rows"])
     try:
@@ -270,6 +270,26 @@ def test_a_backward_is_derived_only_above_the_spreads():
     # A busy machine: the forward + backward read faster than the forward.
     assert backward_us({"time_us": 90.0, "spread_us": 3.0}, fwd) is None
     assert backward_us({"time_us": 104.0, "spread_us": 3.0}, fwd) is None
+
+
+def test_repetitions_fit_the_target_and_stay_few_for_slow_steps():
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks.timing import repetitions
+
+    assert repetitions(0.01, 100, 10, 2000) == 2000  # capped
+    assert repetitions(1.0, 100, 10, 2000) == 100  # as many as fit the target
+    assert repetitions(20.0, 100, 10, 2000) == 10  # at least min_reps ...
+    assert repetitions(40.0, 100, 10, 2000) == 10
+    assert repetitions(41.0, 100, 10, 2000) == 3  # ... unless they pass 4x the target
+    assert repetitions(500.0, 100, 10, 2000) == 3
+
+
+def test_the_wall_summary_names_where_the_time_went():
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks.run import wall_summary
+
+    rows = [{"impl": "a", "wall_s": 1.0}, {"impl": "b", "wall_s": 3.0}, {"impl": "a", "wall_s": 1.5}]
+    assert wall_summary(rows, 7.0) == "wall time 7.0 s, 3 measurements: b 3.0, a 2.5, the rest 1.5"
 
 
 def test_the_report_of_a_cpu_run_says_what_it_measured(tmp_path, monkeypatch):
