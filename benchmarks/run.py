@@ -78,6 +78,9 @@ def parse_args(argv=None):
                          "included); both: the first in time_us, the second beside it "
                          "(torch_us, torch_iqr_us), and a benchmark.Compare table")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="start no (workload, dtype) pair after this many seconds but the "
+                         "first; --resume continues the run (a device call's limit)")
     ap.add_argument("--resume", action="store_true",
                     help="continue the run whose bench.json is in --out: the (workload, dtype) "
                          "pairs it holds are kept, not timed again (a --full run with the peers "
@@ -190,6 +193,13 @@ def measure(args) -> Dict:
     for wl, dname in bar:
         if (wl.name, dname) in done:
             continue
+        if (args.deadline_s is not None and len(rows) > timed_before
+                and time.perf_counter() - began > args.deadline_s):
+            # Every call times one pair at least. Not a note of the result:
+            # a resumed run times these pairs.
+            print(f"warning: stopped at --deadline-s {args.deadline_s:g}: {wl.name} {dname} and "
+                  f"the pairs after it not timed; --resume continues", file=sys.stderr)
+            break
         dtype, loc_dtype = DTYPES[dname]
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(f"{wl.name} {dname}")

@@ -7,6 +7,8 @@
 #                               profile, peer, source, sass, cpp, cputhreads, layerk, paths,
 #                               wheel, deploy)
 #   BENCH_ARGS="--full"         arguments for python -m benchmarks.run
+#   BENCH_OUT=results/full      its --out, kept by the warm machine between calls
+#                               (--resume continues it; default $OUT)
 #   PYTEST_ARGS=""              extra pytest arguments
 #   SANITIZE_ARGS=""            arguments for tests/reliability/sanitize_suite.py (e.g. --backends blocked)
 #   MSDA_COMMIT=<sha>           commit recorded in bench.json (the copy on the
@@ -49,8 +51,14 @@ for stage in $STAGES; do
       $PY -m pytest -q -ra -p no:cacheprovider tests/reliability/test_huge.py 2>&1 | tee "$OUT/tests_huge.log" | tail -5
       rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "HUGE TESTS FAILED ($rc)"; status=1; } ;;
     bench)
-      $PY -m benchmarks.run $BENCH_ARGS --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -80
-      [ "${PIPESTATUS[0]}" = 0 ] || { echo "BENCH FAILED"; status=1; } ;;
+      # BENCH_OUT: a folder the warm machine keeps between calls (ignored,
+      # e.g. results/full), for a run continued with --resume; what it holds
+      # is copied into $OUT.
+      bench_out=${BENCH_OUT:-$OUT}
+      mkdir -p "$bench_out"
+      $PY -m benchmarks.run $BENCH_ARGS --out "$bench_out" 2>&1 | tee "$OUT/bench.log" | tail -80
+      [ "${PIPESTATUS[0]}" = 0 ] || { echo "BENCH FAILED"; status=1; }
+      [ "$bench_out" = "$OUT" ] || cp "$bench_out"/bench.* "$OUT"/ 2>/dev/null ;;
     paths)
       # The backward by grad_value path, one benchmarks.run each
       # (MS_DEFORM_ATTN_GRAD_VALUE = atomic, sorted, local; PATHS_ARGS: its

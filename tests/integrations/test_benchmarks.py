@@ -328,3 +328,21 @@ def test_a_run_resumes_where_it_stopped(tmp_path):
     pairs = [(r["workload"], r["pass_"]) for r in result["rows"]]
     assert pairs.count(("ddetr_dec/8", "fwd")) == 1 and ("m2f_enc/8", "fwd") in pairs
     assert result["rows"][:len(first["rows"])] == first["rows"]
+
+
+def test_a_run_stops_at_its_deadline_and_resumes(tmp_path, capsys):
+    """--deadline-s starts no pair after it (a device call's limit); --resume
+    times the rest into the same result."""
+    pytest.importorskip("benchmarks", reason="benchmarks/ is the checkout's, not the package's: run from the checkout")
+    from benchmarks.run import main
+
+    common = ["--workloads", "ddetr_dec,m2f_enc", "--dtypes", "fp32", "--device", "cpu",
+              "--scale", "8", "--target-ms", "1", "--backends", "cpu", "--no-plot",
+              "--out", str(tmp_path)]
+    assert main(common + ["--deadline-s", "0"]) == 0
+    assert "stopped at --deadline-s 0: m2f_enc/8 fp32" in capsys.readouterr().err
+    first = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["workload"] for r in first["rows"]} == {"ddetr_dec/8"}
+    assert main(common + ["--resume"]) == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["workload"] for r in result["rows"]} == {"ddetr_dec/8", "m2f_enc/8"}
