@@ -187,27 +187,35 @@ __global__ void __launch_bounds__(kThreads, kLaneRowBlocksPerSm)
 // (batch, head).
 template <typename T, typename LT, int VEC>
 struct Launch {
+  // One launch of the row kernel in the form the plan asked for.
+  template <bool kFused, bool kOneLevel>
+  static cudaError_t rows(const ForwardParams& p, unsigned blocks, const RowDivisors& div,
+                          cudaStream_t stream) {
+    const ForwardPlan& plan = p.plan;
+    const cudaError_t err =
+        fit_carveout<blocked_forward_kernel<T, LT, VEC, kFused, kOneLevel>>(plan.resident);
+    if (err != cudaSuccess) return err;
+    blocked_forward_kernel<T, LT, VEC, kFused, kOneLevel><<<blocks, plan.threads, 0, stream>>>(
+        p, plan.lanes, div);
+    return cudaGetLastError();
+  }
+
   static cudaError_t run(const ForwardParams& p, cudaStream_t stream) {
     const ForwardPlan& plan = p.plan;
     const auto blocks = static_cast<unsigned>(plan.blocks);  // < 2^31: the predicate
     const RowDivisors div(plan.blocks_per_head, p.pb.M, p.pb.P);
-    cudaError_t err = cudaSuccess;
+    // The forms below other than the default are instantiated only for what
+    // the plan gives them: the fused operator sends no fp64 values, and the
+    // lane rows and the one-level form take 16-byte vectors of fp32, bf16 or
+    // fp16.
+    constexpr bool kVec16 = VEC * sizeof(T) == 16 && !std::is_same_v<T, double>;
     if (p.ref != nullptr) {
-      // The fused operator's plan sends no fp64 values here.
-      if constexpr (std::is_same_v<acc_t<T>, float>) {
-        err = fit_carveout<blocked_forward_kernel<T, LT, VEC, true>>(plan.resident);
-        if (err != cudaSuccess) return err;
-        blocked_forward_kernel<T, LT, VEC, true><<<blocks, plan.threads, 0, stream>>>(
-            p, plan.lanes, div);
-        return cudaGetLastError();
-      }
+      if constexpr (std::is_same_v<acc_t<T>, float>) return rows<true, false>(p, blocks, div, stream);
       return cudaErrorInvalidValue;
     }
     if (plan.split > 0) {
-      // Instantiated for what the plan gives per-lane set-up: 16-byte vectors
-      // of fp32, bf16 or fp16.
-      if constexpr (VEC * sizeof(T) == 16 && !std::is_same_v<T, double>) {
-        err = fit_carveout<blocked_lane_rows_kernel<T, LT, VEC>>(plan.resident);
+      if constexpr (kVec16) {
+        const cudaError_t err = fit_carveout<blocked_lane_rows_kernel<T, LT, VEC>>(plan.resident);
         if (err != cudaSuccess) return err;
         blocked_lane_rows_kernel<T, LT, VEC><<<blocks, plan.threads, 0, stream>>>(
             p, plan.lanes, plan.split, div);
@@ -216,22 +224,10 @@ struct Launch {
       return cudaErrorInvalidValue;
     }
     if (plan.one_level) {
-      // Instantiated for what the plan gives it: 16-byte vectors of fp32,
-      // bf16 or fp16.
-      if constexpr (VEC * sizeof(T) == 16 && !std::is_same_v<T, double>) {
-        err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false, true>>(plan.resident);
-        if (err != cudaSuccess) return err;
-        blocked_forward_kernel<T, LT, VEC, false, true><<<blocks, plan.threads, 0, stream>>>(
-            p, plan.lanes, div);
-        return cudaGetLastError();
-      }
+      if constexpr (kVec16) return rows<false, true>(p, blocks, div, stream);
       return cudaErrorInvalidValue;
     }
-    err = fit_carveout<blocked_forward_kernel<T, LT, VEC, false>>(plan.resident);
-    if (err != cudaSuccess) return err;
-    blocked_forward_kernel<T, LT, VEC, false><<<blocks, plan.threads, 0, stream>>>(
-        p, plan.lanes, div);
-    return cudaGetLastError();
+    return rows<false, false>(p, blocks, div, stream);
   }
 };
 
