@@ -328,7 +328,9 @@ def select_backward_plan(value, spatial_shapes, level_start_index, sampling_loca
     {"grad_value": "atomic" | "sorted" | "local", "dots": "ffma" | "mma" |
     "mma_flat" | "mma_rows", "vec": int, "gather": "none" | "pixels" |
     "tiles", "gather_vec": int, "stage": bool (the block-local walk reads
-    grad_output and the weights from shared memory), "composite": bool}.
+    grad_output and the weights from shared memory), "self_records": bool
+    (it resolves its samples itself, beside the dots kernel), "composite":
+    bool}.
     `fused`: the backward of
     ms_deform_attn_fused; `grad_value`: a path asked for ("atomic",
     "sorted", "local"), or "auto", which takes MS_DEFORM_ATTN_GRAD_VALUE as

@@ -115,6 +115,11 @@ struct BackwardPlan {
   // tile's corner weights into shared memory before walking the pixels
   // (local_stage_bytes), so that the walk waits on no global load.
   bool stage = false;
+  // grad_value local, staged, not fused: the block resolves its (n, m,
+  // level)'s samples itself from the locations and weights, so that it does
+  // not wait for the dots kernel's records and runs beside it (a forked
+  // stream); the dots kernel writes none (local_cell null).
+  bool self_records = false;
   constexpr bool deterministic() const { return grad_value != GradValuePath::atomic; }
 };
 

@@ -66,6 +66,7 @@ BackwardPlan plan_backward_for(const BackwardProblem& p, Device device, bool det
   BackwardWishes w;
   w.deterministic = deterministic;
   w.stage = local_stage_override();
+  w.self_records = local_self_override();
   w.request = grad_value == "auto" ? grad_value_override()
                                    : parse_grad_value_request(std::string(grad_value));
   DeviceInfo d;

@@ -82,7 +82,7 @@ std::string reason(const Tensor& value, const Tensor& spatial_shapes,
 // replaces its SM count. grad_output is taken as contiguous and 32-byte
 // aligned, as autograd hands it over.
 using BackwardPlanFields =
-    std::tuple<std::string, std::string, int64_t, std::string, int64_t, bool, bool>;
+    std::tuple<std::string, std::string, int64_t, std::string, int64_t, bool, bool, bool>;
 BackwardPlanFields backward_plan(const Tensor& value, const Tensor& spatial_shapes,
                                  const Tensor& level_start_index,
                                  const Tensor& sampling_locations,
@@ -100,7 +100,7 @@ BackwardPlanFields backward_plan(const Tensor& value, const Tensor& spatial_shap
   }
   const BackwardPlan b = plan_backward_for(p, value.device(), deterministic, grad_value, d);
   return {grad_value_name(b.grad_value), dots_name(b.dots), b.vec, gather_name(b.gather),
-          b.gather_vec, b.stage, b.composite};
+          b.gather_vec, b.stage, b.self_records, b.composite};
 }
 
 // _linear's forward on every device: torch's linear. What differs from it is
@@ -190,7 +190,8 @@ STABLE_TORCH_LIBRARY(ms_deform_attn, m) {
       "_select_backward_plan(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, bool fused=False, "
       "bool deterministic=False, str grad_value=\"auto\", int sms=-1, int[]? device=None) -> "
-      "(str grad_value, str dots, int vec, str gather, int gather_vec, bool stage, bool composite)");
+      "(str grad_value, str dots, int vec, str gather, int gather_vec, bool stage, bool self_records, "
+      "bool composite)");
 }
 
 // The host queries, for every device: CompositeExplicitAutograd kernels

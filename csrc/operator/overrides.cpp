@@ -46,6 +46,13 @@ bool local_stage_override() {
   return v != "0";
 }
 
+bool local_self_override() {
+  const std::string v = env("MS_DEFORM_ATTN_LOCAL_SELF");
+  MSDA_CHECK(v.empty() || v == "0" || v == "1",
+             "ms_deform_attn: MS_DEFORM_ATTN_LOCAL_SELF must be '0' or '1', got '", v, "'");
+  return v != "0";
+}
+
 int64_t smem_budget_override() {
   const std::string v = env("MS_DEFORM_ATTN_SMEM_BUDGET");
   return v.empty() ? -1 : std::atoll(v.c_str());

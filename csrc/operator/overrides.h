@@ -22,6 +22,9 @@ BlockedRows blocked_rows_override();
 // MS_DEFORM_ATTN_LOCAL_STAGE=0: the block-local walk loads its inputs from
 // global memory where it would stage them (BackwardPlan::stage; the same bits).
 bool local_stage_override();
+// MS_DEFORM_ATTN_LOCAL_SELF=0: the staged block-local walk reads the dots
+// kernel's records instead of making its own (BackwardPlan::self_records).
+bool local_self_override();
 // MS_DEFORM_ATTN_SMEM_BUDGET: shared-memory bytes the caching forward backends may use (-1: theirs).
 int64_t smem_budget_override();
 // MS_DEFORM_ATTN_POISON=1: outputs are filled with NaN before the kernels

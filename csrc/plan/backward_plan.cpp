@@ -117,6 +117,7 @@ BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const 
                           ? GradValuePath::local
                           : GradValuePath::sorted;
     plan.stage = plan.grad_value == GradValuePath::local && w.stage && local_stage_ok(p, d);
+    plan.self_records = plan.stage && !p.fused && w.self_records;
   }
   // Vectors of 16 bytes of the accumulator (4 fp32 / 2 fp64 channels) with
   // atomics, so that a group's vector atomic covers a 128-byte line; 32

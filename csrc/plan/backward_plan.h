@@ -47,6 +47,7 @@ struct BackwardWishes {
   bool deterministic = false;
   GradValueRequest request = GradValueRequest::automatic;
   bool stage = true;  // the block-local walk may stage its inputs (BackwardPlan::stage)
+  bool self_records = true;  // ... and make its records itself (BackwardPlan::self_records)
 };
 
 // The plan for p on device d given the caller's wishes w.

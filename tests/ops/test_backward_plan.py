@@ -15,16 +15,19 @@ DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp6
 
 
 
-def plan(grad_value, dots, vec, gather="none", gather_vec=1, stage=False, composite=False):
+def plan(grad_value, dots, vec, gather="none", gather_vec=1, stage=False, self_records=False,
+         composite=False):
     return dict(grad_value=grad_value, dots=dots, vec=vec, gather=gather, gather_vec=gather_vec,
-                stage=stage, composite=composite)
+                stage=stage, self_records=self_records, composite=composite)
 
 
-def staged(dots, vec):
+def staged(dots, vec, fused=False):
     """The block-local path whose walk reads grad_output and the weights from
     shared memory: Lq P <= 4096 and (16 bytes a sample + a grad_output row a
-    query) <= 64 KB."""
-    return plan("local", dots, vec, stage=True)
+    query) <= 64 KB; it resolves its samples itself, beside the dots kernel,
+    but in the fused operator's backward (whose dots kernel computes the
+    locations it samples)."""
+    return plan("local", dots, vec, stage=True, self_records=not fused)
 
 
 COMPOSITE = plan("atomic", "ffma", 1, composite=True)
@@ -57,7 +60,8 @@ TABLE = [
     ("ddetr_dec-bf16", ("ddetr_dec", "bf16"), {}, staged("mma", 8)),
     ("ddetr_dec-fp16", ("ddetr_dec", "fp16"), {}, staged("mma", 8)),
     ("rtdetr_dec-bf16", ("rtdetr_dec", "bf16"), {}, staged("mma", 8)),
-    ("rtdetr_dec-bf16-fused", ("rtdetr_dec", "bf16"), {"fused": True}, staged("mma_rows", 8)),
+    ("rtdetr_dec-bf16-fused", ("rtdetr_dec", "bf16"), {"fused": True},
+     staged("mma_rows", 8, fused=True)),
     # DINO's 900 queries: 57.6 KB of weights and as much of grad_output rows,
     # over the staged walk's 64 KB: the walk loads them from global memory.
     ("dino_dec-bf16", ("dino_dec", "bf16"), {}, plan("local", "mma", 8)),
@@ -65,7 +69,7 @@ TABLE = [
     ("ddetr_dec-fp32", ("ddetr_dec", "fp32"), {}, plan("atomic", "ffma", 4)),
     ("ddetr_dec-fp32-det", ("ddetr_dec", "fp32"), {"deterministic": True}, staged("ffma", 8)),
     ("ddetr_dec-fp32-fused-det", ("ddetr_dec", "fp32"), {"fused": True, "deterministic": True},
-     staged("ffma", 8)),
+     staged("ffma", 8, fused=True)),
     # 16-bit locations (the fused layers' offsets under autocast) plan alike.
     ("ddetr_dec-bf16-bf16loc", ("ddetr_dec", "bf16", None, torch.bfloat16), {}, staged("mma", 8)),
     # The caller's request (MS_DEFORM_ATTN_GRAD_VALUE): sorted skips the
@@ -132,6 +136,14 @@ def test_the_query_takes_the_backwards_path(monkeypatch):
     with pytest.raises(RuntimeError, match="MS_DEFORM_ATTN_LOCAL_STAGE must be '0' or '1', got 'yes'"):
         msda.select_backward_plan(*inputs)
     monkeypatch.delenv("MS_DEFORM_ATTN_LOCAL_STAGE")
+    assert msda.select_backward_plan(*inputs)["self_records"]
+    monkeypatch.setenv("MS_DEFORM_ATTN_LOCAL_SELF", "0")
+    plan0 = msda.select_backward_plan(*inputs)
+    assert plan0["stage"] and not plan0["self_records"]
+    monkeypatch.setenv("MS_DEFORM_ATTN_LOCAL_SELF", "no")
+    with pytest.raises(RuntimeError, match="MS_DEFORM_ATTN_LOCAL_SELF must be '0' or '1', got 'no'"):
+        msda.select_backward_plan(*inputs)
+    monkeypatch.delenv("MS_DEFORM_ATTN_LOCAL_SELF")
     monkeypatch.setenv("MS_DEFORM_ATTN_BACKEND", "baseline")
     assert msda.select_forward_plan(*inputs, device=W.DEVICES["H100"])["backend"] == "baseline"
 
@@ -144,5 +156,5 @@ def test_plans_are_structures():
     assert isinstance(fwd["backend"], str) and isinstance(fwd["composite"], bool)
     assert all(isinstance(fwd[k], int) for k in ("vec", "lanes", "threads", "blocks"))
     assert list(bwd) == ["grad_value", "dots", "vec", "gather", "gather_vec", "stage",
-                         "composite"]
+                         "self_records", "composite"]
     assert isinstance(bwd["composite"], bool) and isinstance(bwd["vec"], int)

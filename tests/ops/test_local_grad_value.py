@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ms_deform_attn as msda
-from helpers import TOL, bits, make_inputs, reference64_grads, rel_err, run
+from helpers import TOL, bits, host_shapes, make_inputs, reference64_grads, rel_err, run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -190,4 +190,50 @@ def test_staged_walk_gives_the_same_bits(monkeypatch, n, lq, m, d, shapes, p, dt
     assert not msda.select_backward_plan(*[t.detach() for t in inputs], deterministic=True)["stage"]
     loaded = grads(monkeypatch, "local", inputs, grad)
     for a, b in zip(staged, loaded):
+        assert torch.equal(bits(a), bits(b))
+
+
+@pytest.mark.parametrize("loc_dtype", ["float32", "value"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float32", "bfloat16", "float16"])
+def test_records_made_in_the_block_give_the_same_bits(monkeypatch, dtype, loc_dtype):
+    """The staged walk making its records itself beside the dots kernel (a
+    forked stream; MS_DEFORM_ATTN_LOCAL_SELF=0 reads the dots kernel's): the
+    same cells and weights by the same arithmetic, the same bits; and the
+    same again replayed from a CUDA graph (the fork and join captured)."""
+    ldt = torch.float32 if loc_dtype == "float32" else dtype
+    n, lq, m, d, shapes, p = 2, 300, 8, 32, [(80, 80), (40, 40), (20, 20), (1, 1)], 4
+    inputs = make_inputs(n, lq, m, d, shapes, p, dtype, ldt, device="cuda", seed=5, outside=0.3)
+    with torch.no_grad():
+        inputs[3][0, :3, 0, 0, 0] = torch.tensor([[float("nan"), 0.5], [0.5, float("inf")], [-0.3, 1.2]])
+    inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+    grad = torch.randn(n, lq, m * d, dtype=dtype, device="cuda")
+    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "local")
+    assert msda.select_backward_plan(*[t.detach() for t in inputs], deterministic=True)["self_records"]
+    own = grads(monkeypatch, "local", inputs, grad)
+    monkeypatch.setenv("MS_DEFORM_ATTN_LOCAL_SELF", "0")
+    read = grads(monkeypatch, "local", inputs, grad)
+    for a, b in zip(own, read):
+        assert torch.equal(bits(a), bits(b))
+    monkeypatch.delenv("MS_DEFORM_ATTN_LOCAL_SELF")
+    value, shapes, start, loc, attn = inputs
+    hs = host_shapes(shapes)  # read before the capture (a device-to-host copy)
+
+    def step():
+        out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend="baseline",
+                                  deterministic=True, spatial_shapes_list=hs)
+        return torch.autograd.grad(out, (value, loc, attn), grad)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up on the capture's stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step()
+    for g in captured:
+        g.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, read):
         assert torch.equal(bits(a), bits(b))

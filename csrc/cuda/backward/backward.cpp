@@ -35,17 +35,55 @@ cudaError_t dots(const BackwardParams& p, cudaStream_t stream) {
   return p.plan.dots == DotsKernel::ffma ? ffma_dots(p, stream) : mma_dots(p, stream);
 }
 
+// A stream of this thread for `device`, and two events, made once: where
+// the block-local grad_value makes its own records it runs on this stream
+// beside the dots kernel, forked from and joined back into the caller's
+// stream (under CUDA-graph capture: two branches of the graph).
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr, join = nullptr;
+};
+
+cudaError_t side_stream(int device, SideStream*& out) {
+  constexpr int kDevices = 64;
+  thread_local SideStream side[kDevices];
+  if (device < 0 || device >= kDevices) return cudaErrorInvalidDevice;
+  SideStream& s = side[device];
+  if (s.stream == nullptr) {
+    if (cudaError_t e = cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking); e != cudaSuccess) {
+      s.stream = nullptr;
+      return e;
+    }
+    if (cudaError_t e = cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming); e != cudaSuccess) return e;
+  }
+  out = &s;
+  return cudaSuccess;
+}
+
 // Block-local: the dots kernel writes each sample's record (20 bytes)
-// instead of a key; the other scratch is the blocks' work counter.
+// instead of a key, or (self_records) none, the grad_value kernel making
+// them and running beside it; the other scratch is the blocks' work counter.
 Tensor run_local_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
   const Device dev = in.device;
+  Tensor grad_value = value_shaped(in.pb, in.value_dtype, dev, /*zeroed=*/false);
+  Tensor counter = zeros({1}, kInt, dev);
+  unsigned* count = reinterpret_cast<unsigned*>(data_as<int>(counter));
+  if (p.plan.self_records) {
+    SideStream* side = nullptr;
+    MSDA_CUDA_CHECK(side_stream(dev.index(), side));
+    MSDA_CUDA_CHECK(cudaEventRecord(side->fork, stream));
+    MSDA_CUDA_CHECK(cudaStreamWaitEvent(side->stream, side->fork, 0));
+    MSDA_CUDA_CHECK(grad_value_local(p, grad_value.data_ptr(), count, side->stream));
+    MSDA_CUDA_CHECK(dots(p, stream));
+    MSDA_CUDA_CHECK(cudaEventRecord(side->join, side->stream));
+    MSDA_CUDA_CHECK(cudaStreamWaitEvent(stream, side->join, 0));
+    return grad_value;
+  }
   Tensor records = empty({grad_value_local_scratch_bytes(p)}, kByte, dev);
   grad_value_local_records(p, records.data_ptr());
   MSDA_CUDA_CHECK(dots(p, stream));
-  Tensor grad_value = value_shaped(in.pb, in.value_dtype, dev, /*zeroed=*/false);
-  Tensor counter = zeros({1}, kInt, dev);
-  MSDA_CUDA_CHECK(grad_value_local(p, grad_value.data_ptr(),
-                                  reinterpret_cast<unsigned*>(data_as<int>(counter)), stream));
+  MSDA_CUDA_CHECK(grad_value_local(p, grad_value.data_ptr(), count, stream));
   return grad_value;
 }
 

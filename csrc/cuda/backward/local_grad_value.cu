@@ -150,12 +150,18 @@ __global__ void __launch_bounds__(kThreads) local_footprints(const BackwardParam
 template <int kCap>
 constexpr size_t stage_offset() { return (sizeof(LocalSmem<kCap>) + 15) / 16 * 16; }
 
-template <typename T, int VEC, int kCap, bool kStage>
+// SelfLT (BackwardPlan::self_records, staged only): the locations' and
+// weights' dtype; the block resolves its samples itself (resolve_sample_at,
+// the dots kernel's arithmetic: the same cells and weights) instead of
+// reading `cell` and `wts`, which are null. void: it reads them.
+template <typename T, int VEC, int kCap, bool kStage, typename SelfLT = void>
 __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     grad_value_local_kernel(const BackwardParams p, T* __restrict__ grad_value, const int lanes,
                      const uint32_t* __restrict__ cell, const float4* __restrict__ wts,
                      unsigned* __restrict__ counter) {
   using A = float;
+  constexpr bool kSelf = !std::is_void_v<SelfLT>;
+  static_assert(!kSelf || kStage, "records made in the block serve the staged walk only");
   const Problem& pb = p.pb;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   constexpr int kLocalItems = kCap / kLocalThreads;  // samples a thread holds for the sort
@@ -228,12 +234,26 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
     // This thread's samples i = k kLocalThreads + tid (striped: the block's
     // loads in flight together), counted by cell.
     const int64_t base = (int64_t(nm) * pb.L + l) * LqP;
-    const uint32_t* fcell = cell + base;
+    // Sample i = q P + pt of this (n, m, level) in the operator's inputs.
+    auto resolve = [&](const uint32_t i, float& w) {
+      const uint32_t q = by_p(i), pt = i - q * uint32_t(pb.P);
+      const int64_t row = (n * pb.Lq + q) * pb.M + m;
+      return resolve_sample_at<float, std::conditional_t<kSelf, SelfLT, float>, false>(
+          p, (row * pb.L + l) * pb.P + pt, row, nullptr, lv, w);
+    };
     uint32_t cl[kLocalItems];
 #pragma unroll
     for (int k = 0; k < kLocalItems; ++k) {
       const uint32_t i = uint32_t(k) * kLocalThreads + tid;
-      cl[k] = i < LqP ? __ldg(fcell + i) : kNoCell;
+      cl[k] = kNoCell;
+      if (i < LqP) {
+        if constexpr (kSelf) {
+          float w;
+          cl[k] = local_cell_of(resolve(i, w), lv.W);
+        } else {
+          cl[k] = __ldg(cell + base + i);
+        }
+      }
     }
     if constexpr (kStage) {
       // The (n, m)'s grad_output rows, 16 bytes a thread at a time (D sizeof(T)
@@ -320,7 +340,13 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
       const int total = int(sm.start[cells]);
       for (int j = tid; j < total; j += kLocalThreads) {
         const uint32_t i = sm.u.s.ent[j];
-        staged_w[j] = __ldg(wts + base + i);
+        if constexpr (kSelf) {
+          float w;
+          const auto b = resolve(i, w);
+          store_record_weights<float>(reinterpret_cast<float*>(staged_w + j), b, w);
+        } else {
+          staged_w[j] = __ldg(wts + base + i);
+        }
         sm.u.s.ent[j] = static_cast<uint16_t>(by_p(i));
       }
       __syncthreads();
@@ -452,20 +478,22 @@ struct LocalLaunch {
       }
       if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
       // The staged walk only where the plan's local_stage_ok holds, which
-      // implies the small cap.
+      // implies the small cap; its records made in the block where the plan
+      // says so (not the fused operator's: its locations are offsets).
+      if (g.bw.plan.self_records) return tiles<kLocalCapSmall, true, LT>(g, d, nullptr, nullptr, stream);
       if (g.bw.plan.stage) return tiles<kLocalCapSmall, true>(g, d, cell, wts, stream);
       return small_cap(g.pb) ? tiles<kLocalCapSmall, false>(g, d, cell, wts, stream)
                              : tiles<kLocalCap, false>(g, d, cell, wts, stream);
     }
   }
-  template <int kCap, bool kStage>
+  template <int kCap, bool kStage, typename SelfLT = void>
   static cudaError_t tiles(const LocalParams& g, const DeviceInfo& d, const uint32_t* cell,
                            const float4* wts, cudaStream_t stream) {
     const size_t bytes =
         kStage ? stage_offset<kCap>() + static_cast<size_t>(local_stage_bytes(
                                             g.pb.Lq, g.pb.P, g.pb.D, int64_t(sizeof(T))))
                : sizeof(LocalSmem<kCap>);
-    auto kernel = grad_value_local_kernel<T, VEC, kCap, kStage>;
+    auto kernel = grad_value_local_kernel<T, VEC, kCap, kStage, SelfLT>;
     if (const cudaError_t err = cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
         err != cudaSuccess) {
@@ -499,7 +527,9 @@ cudaError_t grad_value_local(const BackwardParams& p, void* grad_value, unsigned
     return cudaErrorInvalidValue;
   }
   if (p.pb.N * p.pb.S * p.pb.M * p.pb.D == 0) return cudaSuccess;
-  if (p.local_cell == nullptr || p.local_wts == nullptr) return cudaErrorInvalidValue;
+  if (!p.plan.self_records && (p.local_cell == nullptr || p.local_wts == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   const LocalParams g{p.pb, static_cast<int>(16 / dtype_bytes(p.pb.value_dtype)), p, grad_value, counter};
   return launch_16_byte_vectors<LocalLaunch>(g, stream);
 }
