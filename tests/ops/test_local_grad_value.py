@@ -25,6 +25,30 @@ def grads(monkeypatch, path, inputs, grad):
     return torch.autograd.grad(out, (value, loc, attn), grad)
 
 
+def nonfinite_leaves(inputs):
+    """`inputs` as leaves, the first three queries' first samples made a NaN,
+    an inf and a location outside the map."""
+    with torch.no_grad():
+        inputs[3][0, :3, 0, 0, 0] = torch.tensor([[float("nan"), 0.5], [0.5, float("inf")], [-0.3, 1.2]])
+    return tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+
+
+def same_bits_without(monkeypatch, variable, field, inputs, grad):
+    """The block-local path's gradients with its plan's `field` on and with
+    `variable`=0 (off) are the same bits; those made with it off."""
+    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "local")
+    detached = [t.detach() for t in inputs]
+    assert msda.select_backward_plan(*detached, deterministic=True)[field]
+    on = grads(monkeypatch, "local", inputs, grad)
+    monkeypatch.setenv(variable, "0")
+    assert not msda.select_backward_plan(*detached, deterministic=True)[field]
+    off = grads(monkeypatch, "local", inputs, grad)
+    monkeypatch.delenv(variable)
+    for a, b in zip(on, off):
+        assert torch.equal(bits(a), bits(b))
+    return off
+
+
 def value_tol(dtype):
     """grad_value's tolerance against float64: 3e-3 in bf16 (its output's
     rounding alone is ~1e-3, as the tiles'), else the dtype's."""
@@ -179,18 +203,9 @@ def test_staged_walk_gives_the_same_bits(monkeypatch, n, lq, m, d, shapes, p, dt
     loads them from global memory (MS_DEFORM_ATTN_LOCAL_STAGE=0): the same
     bits, non-finite samples included."""
     inputs = make_inputs(n, lq, m, d, shapes, p, dtype, torch.float32, device="cuda", seed=4)
-    with torch.no_grad():
-        inputs[3][0, :3, 0, 0, 0] = torch.tensor([[float("nan"), 0.5], [0.5, float("inf")], [-0.3, 1.2]])
-    inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+    inputs = nonfinite_leaves(inputs)
     grad = torch.randn(n, lq, m * d, dtype=dtype, device="cuda")
-    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "local")
-    assert msda.select_backward_plan(*[t.detach() for t in inputs], deterministic=True)["stage"]
-    staged = grads(monkeypatch, "local", inputs, grad)
-    monkeypatch.setenv("MS_DEFORM_ATTN_LOCAL_STAGE", "0")
-    assert not msda.select_backward_plan(*[t.detach() for t in inputs], deterministic=True)["stage"]
-    loaded = grads(monkeypatch, "local", inputs, grad)
-    for a, b in zip(staged, loaded):
-        assert torch.equal(bits(a), bits(b))
+    same_bits_without(monkeypatch, "MS_DEFORM_ATTN_LOCAL_STAGE", "stage", inputs, grad)
 
 
 @pytest.mark.parametrize("loc_dtype", ["float32", "value"])
@@ -204,18 +219,9 @@ def test_records_made_in_the_block_give_the_same_bits(monkeypatch, dtype, loc_dt
     ldt = torch.float32 if loc_dtype == "float32" else dtype
     n, lq, m, d, shapes, p = 2, 300, 8, 32, [(80, 80), (40, 40), (20, 20), (1, 1)], 4
     inputs = make_inputs(n, lq, m, d, shapes, p, dtype, ldt, device="cuda", seed=5, outside=0.3)
-    with torch.no_grad():
-        inputs[3][0, :3, 0, 0, 0] = torch.tensor([[float("nan"), 0.5], [0.5, float("inf")], [-0.3, 1.2]])
-    inputs = tuple(t.detach().requires_grad_() if t.is_floating_point() else t for t in inputs)
+    inputs = nonfinite_leaves(inputs)
     grad = torch.randn(n, lq, m * d, dtype=dtype, device="cuda")
-    monkeypatch.setenv("MS_DEFORM_ATTN_GRAD_VALUE", "local")
-    assert msda.select_backward_plan(*[t.detach() for t in inputs], deterministic=True)["self_records"]
-    own = grads(monkeypatch, "local", inputs, grad)
-    monkeypatch.setenv("MS_DEFORM_ATTN_LOCAL_SELF", "0")
-    read = grads(monkeypatch, "local", inputs, grad)
-    for a, b in zip(own, read):
-        assert torch.equal(bits(a), bits(b))
-    monkeypatch.delenv("MS_DEFORM_ATTN_LOCAL_SELF")
+    read = same_bits_without(monkeypatch, "MS_DEFORM_ATTN_LOCAL_SELF", "self_records", inputs, grad)
     value, shapes, start, loc, attn = inputs
     hs = host_shapes(shapes)  # read before the capture (a device-to-host copy)
 
