@@ -222,17 +222,22 @@ def test_records_made_in_the_block_give_the_same_bits(monkeypatch, dtype, loc_dt
     inputs = nonfinite_leaves(inputs)
     grad = torch.randn(n, lq, m * d, dtype=dtype, device="cuda")
     read = same_bits_without(monkeypatch, "MS_DEFORM_ATTN_LOCAL_SELF", "self_records", inputs, grad)
-    value, shapes, start, loc, attn = inputs
-    hs = host_shapes(shapes)  # read before the capture (a device-to-host copy)
-
-    def step():
-        out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend="baseline",
-                                  deterministic=True, spatial_shapes_list=hs)
-        return torch.autograd.grad(out, (value, loc, attn), grad)
-
+    hs = host_shapes(inputs[1])  # read before the capture (a device-to-host copy)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        # Fresh leaves, first used on the capture's stream: a leaf's autograd
+        # node keeps the stream of its first use, and under compute-sanitizer
+        # a capture whose leaves were first used on the legacy default
+        # stream fails (cudaErrorStreamCaptureImplicit).
+        value, shapes, start, loc, attn = (t.detach().requires_grad_() if t.is_floating_point()
+                                           else t for t in inputs)
+
+        def step():
+            out = msda.ms_deform_attn(value, shapes, start, loc, attn, backend="baseline",
+                                      deterministic=True, spatial_shapes_list=hs)
+            return torch.autograd.grad(out, (value, loc, attn), grad)
+
         step()  # warm-up on the capture's stream
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
