@@ -50,12 +50,20 @@ cudaError_t side_stream(int device, SideStream*& out) {
   if (device < 0 || device >= kDevices) return cudaErrorInvalidDevice;
   SideStream& s = side[device];
   if (s.stream == nullptr) {
-    if (cudaError_t e = cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking); e != cudaSuccess) {
-      s.stream = nullptr;
+    // All three or none: a failure leaves nothing half made for the next call.
+    SideStream made;
+    cudaError_t e = cudaStreamCreateWithFlags(&made.stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return e;
+    if ((e = cudaEventCreateWithFlags(&made.fork, cudaEventDisableTiming)) != cudaSuccess) {
+      cudaStreamDestroy(made.stream);
       return e;
     }
-    if (cudaError_t e = cudaEventCreateWithFlags(&s.fork, cudaEventDisableTiming); e != cudaSuccess) return e;
-    if (cudaError_t e = cudaEventCreateWithFlags(&s.join, cudaEventDisableTiming); e != cudaSuccess) return e;
+    if ((e = cudaEventCreateWithFlags(&made.join, cudaEventDisableTiming)) != cudaSuccess) {
+      cudaEventDestroy(made.fork);
+      cudaStreamDestroy(made.stream);
+      return e;
+    }
+    s = made;
   }
   out = &s;
   return cudaSuccess;
