@@ -181,20 +181,11 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
       sm.tiles_x[l] = uint32_t(tx);
       sm.tiles[l] = uint32_t(tx) * uint32_t(ty);
       sm.by_row[l] = FastDiv(uint32_t(lv.W + 1));
-      sm.order[l] = l;
     }
     // Every level receives Lq P samples of each (n, m): the smallest level's
     // items are the densest (the longest walks); taken first, they do not
     // start last on a GPU already full of the sparse large-level items.
-    for (int k = 1; k < pb.L; ++k) {  // insertion sort by pixels, stable
-      const int l = sm.order[k];
-      const int64_t px = int64_t(sm.levels[l].H) * sm.levels[l].W;
-      int j = k - 1;
-      for (; j >= 0 && int64_t(sm.levels[sm.order[j]].H) * sm.levels[sm.order[j]].W > px; --j) {
-        sm.order[j + 1] = sm.order[j];
-      }
-      sm.order[j + 1] = l;
-    }
+    for (int l = 0; l < pb.L; ++l) sm.order[level_rank(sm.levels, pb.L, l)] = l;
     uint32_t first = 0;
     for (int k = 0; k < pb.L; ++k) {
       sm.first[k] = first;

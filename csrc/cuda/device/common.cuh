@@ -222,6 +222,21 @@ struct Level {
   __device__ __forceinline__ A weight(A w) const { return poison ? A(NAN) : w; }
 };
 
+// The levels in size order: level j comes before level l when it has fewer
+// pixels, ties in index order. The caching forwards keep the first ones in
+// shared memory; the block-local backward takes their (densest) items first.
+__device__ __forceinline__ bool level_before(const Level* lv, int j, int l) {
+  const int64_t pj = int64_t(lv[j].H) * lv[j].W, pl = int64_t(lv[l].H) * lv[l].W;
+  return pj < pl || (pj == pl && j < l);
+}
+
+// Level l's position in that order.
+__device__ inline int level_rank(const Level* lv, int L, int l) {
+  int r = 0;
+  for (int j = 0; j < L; ++j) r += level_before(lv, j, l);
+  return r;
+}
+
 // Reads the level table into shared memory (call with every thread of the
 // block, then __syncthreads()). spatial_shapes and level_start_index on the
 // device cannot be checked by the host without a sync, so each block checks

@@ -108,20 +108,10 @@ __device__ __forceinline__ void gather_corners(A (&acc)[VEC], const Corners<A>& 
 // One thread calls it; off[l] = pixel offset of level l's pixel 0 in the
 // cache (levels concatenated), or -1 when level l is read from global memory.
 __device__ inline void choose_cached_levels(const Level* lv, int L, int64_t capacity, int64_t* off) {
-  unsigned done = 0;  // bit l: level l considered
-  for (int l = 0; l < L; ++l) off[l] = -1;
-  int64_t used = 0;
-  for (int it = 0; it < L; ++it) {
-    int best = -1;
-    for (int l = 0; l < L; ++l) {
-      const bool smaller = best < 0 || int64_t(lv[l].H) * lv[l].W < int64_t(lv[best].H) * lv[best].W;
-      if (!(done >> l & 1u) && smaller) best = l;
-    }
-    done |= 1u << best;
-    const int64_t pixels = int64_t(lv[best].H) * lv[best].W;
-    if (used + pixels > capacity) break;  // larger levels will not fit either
-    off[best] = used;
-    used += pixels;
+  for (int l = 0; l < L; ++l) {  // the levels before l in size order, and l, must fit
+    int64_t before = 0;
+    for (int j = 0; j < L; ++j) before += level_before(lv, j, l) ? int64_t(lv[j].H) * lv[j].W : 0;
+    off[l] = before + int64_t(lv[l].H) * lv[l].W <= capacity ? before : -1;
   }
 }
 
