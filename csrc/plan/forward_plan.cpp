@@ -175,11 +175,10 @@ void plan_blocked(const ForwardProblem& p, const DeviceInfo& d, const ForwardWis
     plan.resident = cuda::kLaneRowBlocksPerSm * kThreads / threads;
   } else {
     plan.blocks_per_head = per_head(threads);
+    plan.resident = cuda::kForwardBlocksPerSm * kThreads / threads;
     // One level needs no table in shared memory, nor the barrier before
     // the rows that waits on its load.
     plan.one_level = vec16_kernels && pb.L == 1;
-    plan.resident = (plan.one_level ? cuda::kOneLevelBlocksPerSm : cuda::kForwardBlocksPerSm) *
-                    kThreads / threads;
   }
   plan.blocks = plan.blocks_per_head * pb.N * pb.M;
 }

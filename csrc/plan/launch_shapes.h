@@ -34,10 +34,6 @@ constexpr int64_t corner_slot_bytes_per_thread(int acc_bytes) {
 // baseline_forward_kernel and blocked_forward_kernel: at most 64 registers,
 // 4 blocks of kThreads an SM.
 constexpr int kForwardBlocksPerSm = 4;
-// blocked_forward_kernel's one-level form (ForwardPlan::one_level): two
-// samples' corner loads in flight a lane (gather_slot_pairs), at most 80
-// registers, 3 blocks of kThreads an SM.
-constexpr int kOneLevelBlocksPerSm = 3;
 // `blocked` halves its block (down to kBlockedMinThreads) while blocks of
 // the larger size would give fewer than kBlockedMinBlocksPerSm blocks an SM
 // (the decoders: a few hundred queries a (batch, head)).

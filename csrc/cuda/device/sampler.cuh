@@ -279,56 +279,6 @@ __device__ __forceinline__ void add_corners(A (&acc)[VEC], const Corners<A>& c,
   }
 }
 
-// gather_slots two samples at a time, with no branch between their loads
-// and their sums: a sample that reads nothing loads nothing (its vectors
-// zero) and adds its zeros with zero weights, so that both samples' eight
-// corner loads are in flight together (with a branch per sample, ptxas
-// sinks each sample's loads into its branch). 16-byte vectors; for kernels
-// with the registers for them.
-template <typename T, typename A, int VEC>
-struct SlotSample {
-  RawCorner<T, VEC> v[4];
-  A w[4];
-  template <typename Fetch>
-  __device__ __forceinline__ void fetch(const Corners<A>& c, Fetch&& get) {
-    const bool on = c.pix[0] != kNoSample;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      v[k] = on ? get(c.pix[k]) : RawCorner<T, VEC>{};
-      w[k] = on ? c.w[k] : A(0);
-    }
-  }
-  __device__ __forceinline__ void add(A (&acc)[VEC]) const {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      A x[VEC];
-      unpack<T, VEC>(v[k], x);
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) acc[e] += w[k] * x[e];
-    }
-  }
-};
-
-template <typename T, typename A, int VEC, typename Fetch>
-__device__ __forceinline__ void gather_slot_pairs(const GroupLanes& g, int count,
-                                                  const CornerSlots<A>& slots, A (&acc)[VEC],
-                                                  Fetch&& fetch) {
-  static_assert(sizeof(RawCorner<T, VEC>) == 16, "16-byte corner vectors");
-  int i = 0;
-  for (; i + 1 < count; i += 2) {
-    SlotSample<T, A, VEC> a, b;
-    a.fetch(slots.get(g.slot(i)), fetch);
-    b.fetch(slots.get(g.slot(i + 1)), fetch);
-    a.add(acc);
-    b.add(acc);
-  }
-  if (i < count) {
-    SlotSample<T, A, VEC> a;
-    a.fetch(slots.get(g.slot(i)), fetch);
-    a.add(acc);
-  }
-}
-
 // A lane's point of a row (location and weight), loaded a round before
 // the round that resolves it (gather_row's kAhead form).
 template <typename A>
@@ -387,12 +337,8 @@ __device__ __forceinline__ void gather_row(const GroupLanes& g, int L, int P,
     __syncwarp();
     const int count = min(g.lanes, LP - i0);
     if (gathers) {
-      if constexpr (kOneLevel) {
-        gather_slot_pairs<T>(g, count, slots, acc, fetch);
-      } else {
-        gather_slots(g, count, slots, acc,
-                     [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
-      }
+      gather_slots(g, count, slots, acc,
+                   [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
     }
     __syncwarp();  // slots are rewritten by the next points
   }

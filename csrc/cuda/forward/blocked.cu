@@ -73,9 +73,8 @@ struct HeadPixels {
 // self-attention): every thread reads and checks the level itself
 // (single_level), so the block has no barrier before its rows.
 template <typename T, typename LT, int VEC, bool kFused, bool kOneLevel = false>
-// At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel;
-// the one-level form 80 (two samples' loads in flight a lane).
-__global__ void __launch_bounds__(kThreads, kOneLevel ? kOneLevelBlocksPerSm : kForwardBlocksPerSm)
+// At most 64 registers (4 blocks of 256 per SM), as baseline_forward_kernel.
+__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
     blocked_forward_kernel(const ForwardParams p, const int lanes, const RowDivisors div) {
   using A = acc_t<T>;
   const Problem& pb = p.pb;
