@@ -21,9 +21,8 @@
 // Staged (BackwardPlan::stage, where they fit: the 16-bit decoders): the
 // block copies its (n, m)'s Lq grad_output rows into shared memory with the
 // records' loads, and, once the tile's samples are grouped, each one's four
-// weights in sorted order, with its query in place of its index (where the
-// block resolves its samples itself, it keeps their weights by sample index
-// as it resolves them, once): the walk then reads shared memory only. Unstaged, each run's entries wait on their
+// weights in sorted order, with its query in place of its index: the walk
+// then reads shared memory only. Unstaged, each run's entries wait on their
 // weights' and rows' global loads, one run after another down a column:
 // on the dense small levels of a decoder that chain is the item's time.
 // The same sums in the same order either way: the same bits.
@@ -240,11 +239,8 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
       cl[k] = kNoCell;
       if (i < LqP) {
         if constexpr (kSelf) {
-          // Its weights kept by sample index for the walk: resolved once.
           float w;
-          const auto b = resolve(i, w);
-          cl[k] = local_cell_of(b, lv.W);
-          if (cl[k] != kNoCell) store_record_weights<float>(reinterpret_cast<float*>(staged_w + i), b, w);
+          cl[k] = local_cell_of(resolve(i, w), lv.W);
         } else {
           cl[k] = __ldg(cell + base + i);
         }
@@ -329,14 +325,19 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
       }
     }
     __syncthreads();
-    if constexpr (kStage && !kSelf) {
+    if constexpr (kStage) {
       // The tile's samples' weights in sorted order, each entry's index
-      // replaced by its query (the row it reads). Made in the block (kSelf),
-      // they are already staged, by sample index.
+      // replaced by its query (the row it reads).
       const int total = int(sm.start[cells]);
       for (int j = tid; j < total; j += kLocalThreads) {
         const uint32_t i = sm.u.s.ent[j];
-        staged_w[j] = __ldg(wts + base + i);
+        if constexpr (kSelf) {
+          float w;
+          const auto b = resolve(i, w);
+          store_record_weights<float>(reinterpret_cast<float*>(staged_w + j), b, w);
+        } else {
+          staged_w[j] = __ldg(wts + base + i);
+        }
         sm.u.s.ent[j] = static_cast<uint16_t>(by_p(i));
       }
       __syncthreads();
@@ -383,11 +384,8 @@ __global__ void __launch_bounds__(kLocalThreads, kLocalBlocksPerSm)
           auto load = [&](const int j, float2& w, R& raw) {
             const uint32_t i = sm.u.s.ent[j];
             if constexpr (kStage) {
-              // Staged by sample (kSelf: entry = sample) or in sorted order
-              // (entry = query).
-              const uint32_t at = kSelf ? i : uint32_t(j), q = kSelf ? by_p(i) : i;
-              w = reinterpret_cast<const float2*>(staged_w)[2 * at + (j < split ? 1 : 0)];
-              raw = *reinterpret_cast<const R*>(staged_rows + q * staged_row_bytes +
+              w = reinterpret_cast<const float2*>(staged_w)[2 * j + (j < split ? 1 : 0)];
+              raw = *reinterpret_cast<const R*>(staged_rows + i * staged_row_bytes +
                                                 unsigned(ch) * unsigned(sizeof(T)));
             } else {
               w = __ldg(wpair + 2 * i + (j < split ? 1 : 0));
