@@ -7,8 +7,6 @@
 // the locations and the softmax from the offsets and logits. Where the rows
 // give few warps (the decoders), blocked_lane_rows_kernel takes them
 // instead: every lane sets up its own points, no slots.
-#include <cstdlib>
-
 #include "../device/sampler.cuh"
 #include "../entry_points.h"
 
@@ -142,73 +140,6 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   }
 }
 
-// One level where a row's L P points fill at most half a group (fp32 with
-// P <= 4: BEVFormer's temporal self-attention): a group serves two rows,
-// lanes [0, half) resolving the first row's points into their slots and
-// lanes [half, lanes) the second's, so that no lane idles in the set-up;
-// then the group gathers each row's samples from its slots. Two rows of a
-// block are always of one (n, m). Variant on trial (MS_DEFORM_ATTN_PAIR_ROWS=1).
-template <typename T, typename LT, int VEC>
-__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
-    blocked_pair_rows_kernel(const ForwardParams p, const int lanes, const RowDivisors div) {
-  using A = acc_t<T>;
-  const Problem& pb = p.pb;
-  __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads];
-  const int shift = __ffs(lanes) - 1, half = lanes >> 1;
-  const int lane = static_cast<int>(threadIdx.x) & (lanes - 1);
-  const int grp = static_cast<int>(threadIdx.x) >> shift, rows = (static_cast<int>(blockDim.x) >> shift) * 2;
-  const auto ra = row_site<LT>(p, rows, 2 * grp, div);
-  const auto rb = row_site<LT>(p, rows, 2 * grp + 1, div);
-  const bool second = lane >= half;
-  const int pt = lane - (second ? half : 0);
-  const RowPoints<LT> mine = second ? RowPoints<LT>{rb.points.loc, rb.points.attn}
-                                    : RowPoints<LT>{ra.points.loc, ra.points.attn};
-  const bool mine_valid = second ? rb.valid : ra.valid;
-  const int LP = pb.L * pb.P;
-  LanePoint<A> next{A(0), A(0), A(0)};
-  if (mine_valid && pt < LP) next.load(mine, pt);  // under the level's load
-  const Level lv = single_level(p.spatial_shapes, p.level_start, pb.S);
-  const HeadPixels<T, VEC> value(p, ra.n, ra.m);
-  T* out_a = static_cast<T*>(p.out) + ra.group * pb.D;
-  T* out_b = static_cast<T*>(p.out) + rb.group * pb.D;
-  CornerSlots<A> slots(slot_mem, kThreads);
-  const GroupLanes g = group_lanes(lane, lanes);
-  int resolved = mine_valid ? LP : 0, gather_a = ra.valid, gather_b = rb.valid;
-  asm("" : "+r"(resolved), "+r"(gather_a), "+r"(gather_b));
-  for (unsigned c0 = 0; c0 < pb.D; c0 += lanes * VEC) {
-    const unsigned c = c0 + lane * VEC;
-    const bool active = c < pb.D;
-    A acc_a[VEC], acc_b[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) acc_a[e] = acc_b[e] = A(0);
-    if (c0 > 0 && pt < resolved) next.load(mine, pt);
-    const auto fetch = value.at(active ? c : 0);
-    auto gather = [&](int first, int count, A (&acc)[VEC]) {
-      for (int k = 0; k < count; ++k) {
-        const Corners<A> s = slots.get(g.slot(first + k));
-        if (s.pix[0] != kNoSample) {
-          gather_corners(acc, s, [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
-        }
-      }
-    };
-    for (int p0 = 0; p0 < LP; p0 += half) {
-      const int i = p0 + pt;
-      if (i < resolved) {
-        const LanePoint<A> q = next;
-        slots.put(g.slot(lane), resolve_sample(q.x, q.y, lv.weight(q.w), lv.H, lv.W, MapIndex{0, lv.W}));
-        if (i + half < resolved) next.load(mine, i + half);
-      }
-      __syncwarp();
-      const int count = min(half, LP - p0);
-      if (active && gather_a) gather(0, count, acc_a);
-      if (active && gather_b) gather(half, count, acc_b);
-      __syncwarp();  // slots are rewritten by the next points
-    }
-    if (active && gather_a) store_vec<T, VEC>(out_a + c, acc_a);
-    if (active && gather_b) store_vec<T, VEC>(out_b + c, acc_b);
-  }
-}
-
 // The same rows with per-lane set-up (LaneRow, sampler.cuh): a row is
 // served by `split` groups of `lanes` lanes, each taking every split-th
 // chunk of the row's points, their sums added by shuffles. For problems
@@ -293,26 +224,7 @@ struct Launch {
       return cudaErrorInvalidValue;
     }
     if (plan.one_level) {
-      if constexpr (kVec16) {
-        // Variant on trial: two rows a group where a row's points fill at
-        // most half of it.
-        static const bool pair = [] {
-          const char* v = std::getenv("MS_DEFORM_ATTN_PAIR_ROWS");
-          return v != nullptr && v[0] == '1';
-        }();
-        if (pair && 2 * p.pb.L * p.pb.P <= plan.lanes) {
-          const int64_t rows = 2 * (plan.threads / plan.lanes);
-          const int64_t per_head = (p.pb.Lq + rows - 1) / rows;
-          const RowDivisors pair_div(per_head, p.pb.M, p.pb.P);
-          const cudaError_t err = fit_carveout<blocked_pair_rows_kernel<T, LT, VEC>>(plan.resident);
-          if (err != cudaSuccess) return err;
-          blocked_pair_rows_kernel<T, LT, VEC>
-              <<<static_cast<unsigned>(per_head * p.pb.N * p.pb.M), plan.threads, 0, stream>>>(p, plan.lanes,
-                                                                                                pair_div);
-          return cudaGetLastError();
-        }
-        return rows<false, true>(p, blocks, div, stream);
-      }
+      if constexpr (kVec16) return rows<false, true>(p, blocks, div, stream);
       return cudaErrorInvalidValue;
     }
     return rows<false, false>(p, blocks, div, stream);
