@@ -7,8 +7,6 @@
 // the locations and the softmax from the offsets and logits. Where the rows
 // give few warps (the decoders), blocked_lane_rows_kernel takes them
 // instead: every lane sets up its own points, no slots.
-#include <cstdlib>
-
 #include "../device/sampler.cuh"
 #include "../entry_points.h"
 
@@ -142,97 +140,6 @@ __global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
   }
 }
 
-// Two rows a group where a row's L P points do not fill whole rounds of its
-// lanes (fp32, 8 lanes: BEVFormer's 4 points a row, Mask2Former's 12,
-// DINO's 20): the group resolves the two rows' points as one sequence, the
-// first row's then the second's, a round of `lanes` points at a time, so
-// that fewer rounds run partly idle (BEVFormer: one round for two rows
-// instead of two half-idle ones); each round's slots are gathered into the
-// accumulator of their row. Two rows of a block are always of one (n, m).
-// The same sums in the same order a row. Variant on trial
-// (MS_DEFORM_ATTN_PAIR_ROWS=1). kOneLevel: as blocked_forward_kernel's.
-template <typename T, typename LT, int VEC, bool kOneLevel>
-__global__ void __launch_bounds__(kThreads, kForwardBlocksPerSm)
-    blocked_pair_rows_kernel(const ForwardParams p, const int lanes, const RowDivisors div) {
-  using A = acc_t<T>;
-  const Problem& pb = p.pb;
-  __shared__ Level levels[kMaxLevels];
-  __shared__ __align__(16) unsigned char slot_mem[CornerSlots<A>::kBytesPerThread * kThreads];
-  RawLevel raw_level;
-  if constexpr (!kOneLevel) raw_level = fetch_level(p.spatial_shapes, p.level_start, pb.L);
-  const int shift = __ffs(lanes) - 1;
-  const int lane = static_cast<int>(threadIdx.x) & (lanes - 1);
-  const int grp = static_cast<int>(threadIdx.x) >> shift, rows = (static_cast<int>(blockDim.x) >> shift) * 2;
-  const auto ra = row_site<LT>(p, rows, 2 * grp, div);
-  const auto rb = row_site<LT>(p, rows, 2 * grp + 1, div);
-  const int LP = pb.L * pb.P, total = 2 * LP;
-  // Points [0, a_end) of the sequence are row a's (none where it stands in
-  // for a missing query), [LP, b_end) row b's.
-  int a_end = ra.valid ? LP : 0, b_end = rb.valid ? total : LP;
-  asm("" : "+r"(a_end), "+r"(b_end));
-  auto resolves = [&](int s) { return s < a_end || (s >= LP && s < b_end); };
-  auto load = [&](int s, LanePoint<A>& pt) {
-    if (s < LP) {
-      pt.load(RowPoints<LT>{ra.points.loc, ra.points.attn}, s);
-    } else {
-      pt.load(RowPoints<LT>{rb.points.loc, rb.points.attn}, s - LP);
-    }
-  };
-  LanePoint<A> next{A(0), A(0), A(0)};
-  if (resolves(lane)) load(lane, next);  // under the level table's load
-  Level one{1, 1, 0, true};
-  if constexpr (kOneLevel) {
-    one = single_level(p.spatial_shapes, p.level_start, pb.S);
-  } else {
-    store_levels(levels, raw_level, pb.L, pb.S);
-    __syncthreads();
-  }
-  const Level* lvls = kOneLevel ? &one : levels;
-  const HeadPixels<T, VEC> value(p, ra.n, ra.m);
-  T* out_a = static_cast<T*>(p.out) + ra.group * pb.D;
-  T* out_b = static_cast<T*>(p.out) + rb.group * pb.D;
-  CornerSlots<A> slots(slot_mem, kThreads);
-  const GroupLanes g = group_lanes(lane, lanes);
-  for (unsigned c0 = 0; c0 < pb.D; c0 += lanes * VEC) {
-    const unsigned c = c0 + lane * VEC;
-    const bool active = c < pb.D;
-    A acc_a[VEC], acc_b[VEC];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) acc_a[e] = acc_b[e] = A(0);
-    if (c0 > 0 && resolves(lane)) load(lane, next);
-    const auto fetch = value.at(active ? c : 0);
-    auto gather = [&](int first, int end, A (&acc)[VEC]) {
-      for (int k = first; k < end; ++k) {
-        const Corners<A> sm = slots.get(g.slot(k));
-        if (sm.pix[0] != kNoSample) {
-          gather_corners(acc, sm, [&](int pix, A(&v)[VEC]) { unpack<T, VEC>(fetch(pix), v); });
-        }
-      }
-    };
-    for (int s0 = 0; s0 < total; s0 += lanes) {
-      const int s = s0 + lane;
-      if (resolves(s)) {
-        const int i = s < LP ? s : s - LP;
-        const int l = kOneLevel ? 0 : static_cast<int>(div.by_points(static_cast<uint32_t>(i)));
-        const Level lv = lvls[l];
-        slots.put(g.slot(lane), resolve_sample(next.x, next.y, lv.weight(next.w), lv.H, lv.W,
-                                               MapIndex{static_cast<int>(lv.start), lv.W}));
-        if (resolves(s + lanes)) load(s + lanes, next);
-      }
-      __syncwarp();
-      // This round's slots [0, split) are row a's, [split, end) row b's.
-      const int end = min(lanes, total - s0), split = min(max(LP - s0, 0), end);
-      if (active) {
-        gather(0, min(split, max(a_end - s0, 0)), acc_a);
-        gather(split, max(split, min(end, b_end - s0)), acc_b);
-      }
-      __syncwarp();  // slots are rewritten by the next points
-    }
-    if (active && ra.valid) store_vec<T, VEC>(out_a + c, acc_a);
-    if (active && rb.valid) store_vec<T, VEC>(out_b + c, acc_b);
-  }
-}
-
 // The same rows with per-lane set-up (LaneRow, sampler.cuh): a row is
 // served by `split` groups of `lanes` lanes, each taking every split-th
 // chunk of the row's points, their sums added by shuffles. For problems
@@ -315,30 +222,6 @@ struct Launch {
         return cudaGetLastError();
       }
       return cudaErrorInvalidValue;
-    }
-    if constexpr (kVec16 && std::is_same_v<T, float>) {
-      // Variant on trial: two rows a group where a row's points leave a
-      // round partly idle (fp32: 8 lanes).
-      static const bool pair = [] {
-        const char* v = std::getenv("MS_DEFORM_ATTN_PAIR_ROWS");
-        return v != nullptr && v[0] == '1';
-      }();
-      if (pair && (p.pb.L * p.pb.P) % plan.lanes != 0) {
-        const int64_t rows = 2 * (plan.threads / plan.lanes);
-        const int64_t per_head = (p.pb.Lq + rows - 1) / rows;
-        const RowDivisors pair_div(per_head, p.pb.M, p.pb.P);
-        const auto grid = static_cast<unsigned>(per_head * p.pb.N * p.pb.M);
-        if (plan.one_level) {
-          const cudaError_t err = fit_carveout<blocked_pair_rows_kernel<T, LT, VEC, true>>(plan.resident);
-          if (err != cudaSuccess) return err;
-          blocked_pair_rows_kernel<T, LT, VEC, true><<<grid, plan.threads, 0, stream>>>(p, plan.lanes, pair_div);
-        } else {
-          const cudaError_t err = fit_carveout<blocked_pair_rows_kernel<T, LT, VEC, false>>(plan.resident);
-          if (err != cudaSuccess) return err;
-          blocked_pair_rows_kernel<T, LT, VEC, false><<<grid, plan.threads, 0, stream>>>(p, plan.lanes, pair_div);
-        }
-        return cudaGetLastError();
-      }
     }
     if (plan.one_level) {
       if constexpr (kVec16) return rows<false, true>(p, blocks, div, stream);
