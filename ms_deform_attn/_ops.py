@@ -325,7 +325,7 @@ def select_backward_plan(value, spatial_shapes, level_start_index, sampling_loca
                          device=None) -> Dict[str, object]:
     """The plan the CUDA backward makes for these inputs
     (csrc/plan/backward_plan.h), through the backward's own path:
-    {"grad_value": "atomic" | "sorted" | "local" | "pull", "dots": "ffma" | "mma" |
+    {"grad_value": "atomic" | "sorted" | "local", "dots": "ffma" | "mma" |
     "mma_flat" | "mma_rows", "vec": int, "gather": "none" | "pixels" |
     "tiles", "gather_vec": int, "stage": bool (the block-local walk reads
     grad_output and the weights from shared memory), "self_records": bool
@@ -333,7 +333,7 @@ def select_backward_plan(value, spatial_shapes, level_start_index, sampling_loca
     bool}.
     `fused`: the backward of
     ms_deform_attn_fused; `grad_value`: a path asked for ("atomic",
-    "sorted", "local", "pull"), or "auto", which takes MS_DEFORM_ATTN_GRAD_VALUE as
+    "sorted", "local"), or "auto", which takes MS_DEFORM_ATTN_GRAD_VALUE as
     the backward does. The device is the one `device` describes (as for
     select_forward_plan), else value's CUDA device, else an H100; `sms`
     replaces its SM count. grad_output is taken as contiguous."""

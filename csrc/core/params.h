@@ -96,7 +96,6 @@ enum class GradValuePath : int {
   atomic,  // fp32 (fp64) atomics into a zeroed accumulator, then a conversion
   sorted,  // cell keys, a global radix sort, a gather per value pixel (bitwise reproducible)
   local,   // records grouped by cell inside a block per (n, m, level) (bitwise reproducible)
-  pull,    // encoders: records grouped by cell inside a block per tile, found by locality (bitwise reproducible)
 };
 enum class DotsKernel : int {
   ffma,      // ffma_dots_kernel: FFMA, lanes over channels
@@ -122,10 +121,6 @@ struct BackwardPlan {
   // stream); the dots kernel writes none (local_cell null).
   bool self_records = false;
   constexpr bool deterministic() const { return grad_value != GradValuePath::atomic; }
-  // The dots kernel writes every sample's block-local record (BackwardParams::local_cell).
-  constexpr bool records() const {
-    return grad_value == GradValuePath::local || grad_value == GradValuePath::pull;
-  }
 };
 
 struct BackwardParams {

@@ -56,15 +56,6 @@ void grad_value_local_records(BackwardParams& p, void* scratch);
 cudaError_t grad_value_local(const BackwardParams& p, void* grad_value, unsigned* counter,
                              cudaStream_t stream);
 
-// The pull grad_value (backward/pull_grad_value.cu), the encoders' (plan
-// pull_grad_value_ok): the dots kernel writes the block-local records
-// (grad_value_local_records() points p at them, as for grad_value_local);
-// then grad_value_pull writes all of grad_value (16-byte aligned), the same
-// bits on every run, using `scratch` (256-byte aligned,
-// grad_value_pull_scratch_bytes() long; -1: cub's sizes failed).
-int64_t grad_value_pull_scratch_bytes(const BackwardParams& p);
-cudaError_t grad_value_pull(const BackwardParams& p, void* grad_value, void* scratch, cudaStream_t stream);
-
 // Column sums of a row-major [rows, cols] matrix (column_sum.cu): the bias
 // gradient of ms_deform_attn::_linear. The launch's shape comes from
 // column_sum_shape(), which also sizes `partial` (chunks x cols of the

@@ -26,7 +26,7 @@ GradValueRequest grad_value_override() {
     return parse_grad_value_request(v);
   } catch (const std::runtime_error&) {
     MSDA_CHECK(false, "ms_deform_attn: MS_DEFORM_ATTN_GRAD_VALUE must be 'auto', 'atomic', "
-                "'sorted', 'local' or 'pull', got '", v, "'");
+                "'sorted' or 'local', got '", v, "'");
   }
 }
 

@@ -45,8 +45,7 @@ bool wants_reproducible(const BackwardProblem& p, const DeviceInfo& d, const Bac
   switch (w.request) {
     case GradValueRequest::atomic: return w.deterministic;
     case GradValueRequest::sorted:
-    case GradValueRequest::local:
-    case GradValueRequest::pull: return true;
+    case GradValueRequest::local: return true;
     default: return w.deterministic || sorted_preferred(p, d);
   }
 }
@@ -74,9 +73,8 @@ GradValueRequest parse_grad_value_request(const std::string& name) {
   if (name == "atomic") return GradValueRequest::atomic;
   if (name == "sorted") return GradValueRequest::sorted;
   if (name == "local") return GradValueRequest::local;
-  if (name == "pull") return GradValueRequest::pull;
   MSDA_CHECK(false, "ms_deform_attn: unknown grad_value path '", name,
-              "'; expected 'auto', 'atomic', 'sorted', 'local' or 'pull'");
+              "'; expected 'auto', 'atomic', 'sorted' or 'local'");
 }
 
 bool mma_dots_ok(const BackwardProblem& p) {
@@ -97,14 +95,6 @@ bool local_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d) {
          pb.D % (16 / elem) == 0 && p.grad_out_align >= 16;
 }
 
-bool pull_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d) {
-  const Problem& pb = p.pb;
-  const bool dtype = half_dtype(pb.value_dtype) || pb.value_dtype == DType::f32;
-  return !p.fused && dtype && pb.D == cuda::kPullD && pb.Lq == pb.S && pb.L >= 1 &&
-         sample_count(pb) < (int64_t(1) << 31) && pb.N * pb.M * pb.S < (int64_t(1) << 31) &&
-         p.grad_out_align >= 16 && d.smem_optin >= cuda::kPullSmem;
-}
-
 bool local_stage_ok(const BackwardProblem& p, const DeviceInfo& d) {
   const Problem& pb = p.pb;
   const int64_t bytes = cuda::local_stage_bytes(pb.Lq, pb.P, pb.D, dtype_bytes(pb.value_dtype));
@@ -123,12 +113,9 @@ BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const 
   }
   const bool reproducible = wants_reproducible(p, d, w);
   if (reproducible) {
-    // The pull path only where asked for (MS_DEFORM_ATTN_GRAD_VALUE=pull)
-    // until the whole suite has run with it as the encoders' default.
-    const bool pull = w.request == GradValueRequest::pull && pull_grad_value_ok(p, d);
-    plan.grad_value = w.request != GradValueRequest::sorted && local_grad_value_ok(p, d) ? GradValuePath::local
-                      : pull                                                            ? GradValuePath::pull
-                                                                                        : GradValuePath::sorted;
+    plan.grad_value = w.request != GradValueRequest::sorted && local_grad_value_ok(p, d)
+                          ? GradValuePath::local
+                          : GradValuePath::sorted;
     plan.stage = plan.grad_value == GradValuePath::local && w.stage && local_stage_ok(p, d);
     plan.self_records = plan.stage && !p.fused && w.self_records;
   }
@@ -158,7 +145,7 @@ BackwardPlan plan_backward(const BackwardProblem& p, const DeviceInfo& d, const 
 }
 
 const char* grad_value_name(GradValuePath path) {
-  static const char* names[] = {"atomic", "sorted", "local", "pull"};
+  static const char* names[] = {"atomic", "sorted", "local"};
   return names[int(path)];
 }
 

@@ -20,10 +20,8 @@ namespace msda {
 // MS_DEFORM_ATTN_GRAD_VALUE, read in overrides.cpp, or the query's argument).
 // atomic: atomics unless the call is deterministic; sorted: the global sort
 // even where the block-local path applies; local: a reproducible path, the
-// block-local one where it applies; pull: a reproducible path, the
-// block-local one where it applies, else the pull path where it applies
-// (only where asked for, for now).
-enum class GradValueRequest : int { automatic, atomic, sorted, local, pull };
+// block-local one where it applies.
+enum class GradValueRequest : int { automatic, atomic, sorted, local };
 GradValueRequest parse_grad_value_request(const std::string& name);  // throws on unknown names
 
 struct BackwardProblem {
@@ -69,11 +67,6 @@ bool local_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d);
 // kLocalCapSmall and local_stage_bytes <= kLocalStageMax, within the device's
 // shared memory a block.
 bool local_stage_ok(const BackwardProblem& p, const DeviceInfo& d);
-// The pull grad_value (the encoders): queries that are the value's pixels
-// (Lq = S), D = kPullD, 16-bit or fp32 values, 16-byte aligned grad_output,
-// samples and N M S below 2^31, not the fused operator's backward, and the
-// kernel's shared memory on the device.
-bool pull_grad_value_ok(const BackwardProblem& p, const DeviceInfo& d);
 // The names of the plan's choices, as the queries give them.
 const char* grad_value_name(GradValuePath path);
 const char* dots_name(DotsKernel dots);

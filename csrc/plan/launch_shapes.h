@@ -128,18 +128,6 @@ constexpr int64_t kLocalStageMax = 64 * 1024;
 constexpr int64_t local_stage_bytes(int64_t Lq, int64_t P, int64_t D, int64_t elem) {
   return Lq * P * 16 + Lq * D * elem;
 }
-// The pull grad_value (backward/pull_grad_value.cu, plan/pull_tiles.h): 512
-// threads, 2 blocks an SM; a block's sort holds kPullCap candidates (a
-// chunk), a tile at most kPullTilePixels pixels (its fp32 sums in shared
-// memory: 32 KB at D = 32, the only D it takes); samples within
-// kPullRadius cells of their query's own cell are found through the windows.
-constexpr int kPullThreads = 512;
-constexpr int kPullBlocksPerSm = 2;
-constexpr int kPullCap = 2048;
-constexpr int kPullTilePixels = 256;
-constexpr int kPullD = 32;
-constexpr int kPullRadius = 8;
-constexpr int64_t kPullSmem = 96 * 1024;
 // local_footprints (the fused FFMA path's records): grid capped at this
 // many blocks an SM.
 constexpr int kFootprintBlocksPerSm = 16;

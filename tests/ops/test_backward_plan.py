@@ -39,17 +39,6 @@ TABLE = [
     ("ddetr_enc-fp16", ("ddetr_enc", "fp16"), {}, plan("sorted", "mma", 8, "tiles", 8)),
     # L = 3 (L Pp = 12 does not divide a warp): the flat slot sequence, enough tasks.
     ("m2f_enc-bf16", ("m2f_enc", "bf16"), {}, plan("sorted", "mma_flat", 8, "tiles", 8)),
-    # The pull path where asked for: the encoders (Lq = S, D = 32), not
-    # queries that are not the value's pixels, D != 32 or the fused backward.
-    ("ddetr_enc-bf16-ask-pull", ("ddetr_enc", "bf16"), {"grad_value": "pull"}, plan("pull", "mma", 8)),
-    ("m2f_enc-bf16-ask-pull", ("m2f_enc", "bf16"), {"grad_value": "pull"}, plan("pull", "mma_flat", 8)),
-    ("ddetr_enc-fp32-ask-pull", ("ddetr_enc", "fp32"), {"grad_value": "pull"}, plan("pull", "ffma", 8)),
-    ("ddetr_enc-bf16-queries-ask-pull", ("ddetr_enc", "bf16", None, torch.float32, False, 20000),
-     {"grad_value": "pull"}, plan("sorted", "mma", 8, "tiles", 8)),
-    ("ddetr_enc-bf16-D64-ask-pull", ("ddetr_enc", "bf16", 64), {"grad_value": "pull"},
-     plan("sorted", "mma", 8, "tiles", 8)),
-    ("ddetr_enc-bf16-fused-ask-pull", ("ddetr_enc", "bf16"), {"fused": True, "grad_value": "pull"},
-     plan("sorted", "mma", 8, "tiles", 8)),
     ("m2f_enc-bf16-fused", ("m2f_enc", "bf16"), {"fused": True}, plan("sorted", "mma_rows", 8, "tiles", 8)),
     ("ddetr_enc-bf16-fused", ("ddetr_enc", "bf16"), {"fused": True}, plan("sorted", "mma", 8, "tiles", 8)),
     # fp32 encoders: atomics (16 bytes of the fp32 accumulator a lane).

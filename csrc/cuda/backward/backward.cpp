@@ -95,22 +95,6 @@ Tensor run_local_path(BackwardParams& p, const Prepared& in, cudaStream_t stream
   return grad_value;
 }
 
-// Pull (encoders): the dots kernel writes each sample's record, then the
-// escape passes, their scan and sort, and the tiles (scratch:
-// grad_value_pull_scratch_bytes).
-Tensor run_pull_path(BackwardParams& p, const Prepared& in, cudaStream_t stream) {
-  const Device dev = in.device;
-  Tensor grad_value = value_shaped(in.pb, in.value_dtype, dev, /*zeroed=*/false);
-  Tensor records = empty({grad_value_local_scratch_bytes(p)}, kByte, dev);
-  grad_value_local_records(p, records.data_ptr());
-  MSDA_CUDA_CHECK(dots(p, stream));
-  const int64_t bytes = grad_value_pull_scratch_bytes(p);
-  MSDA_CHECK(bytes >= 0, "ms_deform_attn: the pull grad_value path could not size its scratch");
-  Tensor scratch = empty({bytes}, kByte, dev);
-  MSDA_CUDA_CHECK(grad_value_pull(p, grad_value.data_ptr(), scratch.data_ptr(), stream));
-  return grad_value;
-}
-
 // Global sort and gather. Scratch: per sample 4 keys / ids (4 bytes each, 8
 // when wide; the sort's double buffers, its temp is small) and 4 weights
 // (16 bytes; 32 for fp64); 8 bytes per cell.
@@ -159,11 +143,8 @@ Tensor run_backward(BackwardParams p, const Prepared& in, cudaStream_t stream) {
   if (sample_count(in.pb) == 0) {
     return value_shaped(in.pb, in.value_dtype, in.device, /*zeroed=*/true);
   }
-  switch (p.plan.grad_value) {
-    case GradValuePath::local: return run_local_path(p, in, stream);
-    case GradValuePath::pull: return run_pull_path(p, in, stream);
-    default: return run_sorted_path(p, in, stream);
-  }
+  return p.plan.grad_value == GradValuePath::local ? run_local_path(p, in, stream)
+                                                   : run_sorted_path(p, in, stream);
 }
 
 }  // namespace msda::cuda

@@ -172,7 +172,7 @@ __device__ __forceinline__ void write_sample_grads(const BackwardParams& p, cons
     write_key(p, sample, s.b.inside && !s.b.poisoned(), nm, level_base, s.b, s.lv.W);
   }
   if constexpr (kRecord) {
-    if (p.plan.records() && p.local_cell != nullptr) {
+    if (p.plan.grad_value == GradValuePath::local && p.local_cell != nullptr) {
       if constexpr (std::is_same_v<Record, std::nullptr_t>) {
         write_local_record(p, local_record_index(p, group, i, nm), s.b, s.lv.W, s.w);
       } else {
